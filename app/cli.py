@@ -15,7 +15,7 @@ from pathlib import Path
 from engine.errors import WorkbenchError, gpu_out_of_memory, not_written, one_line
 from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import BOTH as BOTH_SPLITS, MODES as SPLIT_MODES
-from engine.offload.projection import decode_totals, projected_decode_rate
+from engine.offload.projection import decode_totals, is_simulated, projected_decode_rate
 from engine.reasoning import REASONING_ANSWER_TOKENS
 from engine.records.contention import MAX_WORKERS
 from engine.records.lengths import SCENARIO_TOKENS, SWEEP_REPEATS, SWEEP_TOKENS
@@ -1201,7 +1201,8 @@ def _cmd_contention(args) -> int:
     report = run_contention(lambda: run_scenario(model, args.scenario, params, device).timings["completion_s"],
                             corpus, args.workers, progress=_ProgressLine("contention"),
                             threads=model.decoder.kernel_threads.state, generation=generation_settings(params),
-                            device_fallback=fallback[0] if fallback else None)
+                            device_fallback=fallback[0] if fallback else None, model=str(model.folder.folder),
+                            device=getattr(device, "name", "cpu"), simulated=is_simulated(device))
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.markdown(), end="")
     return 0
 

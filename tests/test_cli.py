@@ -524,6 +524,27 @@ def test_contention_answers_as_asked_and_its_report_says_how(tmp_path, capsys):
     assert status == 0 and "Answers: greedy, at most 2 tokens each." in out
 
 
+def test_contentions_report_names_the_model_and_the_device_and_says_the_cpu_stands_in_for_a_simulated_card(tmp_path,
+                                                                                                          capsys):
+    """contention's report named neither the model nor the device; on the simulated GPU its inference times are the
+    CPU's, which computes the card's experts too, and unlike record's line it did not say so."""
+    from engine.records.contention import make_corpus
+
+    corpus = make_corpus(tmp_path / "corpus", files=4, words_per_file=60)
+    gptoss = fixture_folder("gptoss")
+    run = ("contention", str(gptoss), "--corpus", str(corpus), "--workers", "1", "--max-new-tokens", "2")
+    status, out, _err = _main(capsys, *run, "--device", "simulated", "--simulated-vram", "1GiB")
+    assert status == 0 and out.startswith(
+        f"Model {gptoss.resolve()}, on the simulated GPU, 1.0 GiB. The CPU computes the simulated card's experts too, "
+        "standing in for it: the inference times are the CPU's, not the card's.\n\n| workload |")
+    status, out, _err = _main(capsys, *run, "--json", "--device", "simulated", "--simulated-vram", "1GiB")
+    report = json.loads(out)
+    assert status == 0 and (report["model"], report["device"], report["simulated"]) == (
+        str(gptoss.resolve()), "simulated GPU, 1.0 GiB", True)
+    status, out, _err = _main(capsys, *run)
+    assert status == 0 and out.startswith(f"Model {gptoss.resolve()}, on the CPU.\n\n| workload |")
+
+
 def test_contentions_report_says_why_the_inference_ran_on_the_cpu_where_the_cuda_gpu_cannot_be_used(tmp_path, capsys,
                                                                                                     monkeypatch):
     """contention --device cuda on a GPU it cannot use (mode=auto) timed the inference with every expert on the CPU,

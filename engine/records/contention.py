@@ -112,6 +112,12 @@ class ContentionReport:
     # why the inference ran every expert on the CPU where the CUDA GPU asked for could not be used (the load's note,
     # as a run record's offload["device_fallback"]); None otherwise
     device_fallback: str | None = None
+    # the model folder, and the device the inference ran on as a run record names it ("cpu", "simulated GPU, 8.0 GiB",
+    # the card's name); None where not given
+    model: str | None = None
+    device: str | None = None
+    # the device is the simulated GPU: the CPU computes the card's experts too, so the inference's times are the CPU's
+    simulated: bool = False
 
     @property
     def indexing_slowdown(self) -> float:
@@ -131,7 +137,13 @@ class ContentionReport:
                 "inference_slowdown": self.inference_slowdown}
 
     def markdown(self) -> str:
-        lines = [
+        lines = []
+        if self.model:
+            where = "the CPU" if self.device == "cpu" else f"the {self.device}"
+            stand_in = (" The CPU computes the simulated card's experts too, standing in for it: the inference times "
+                        "are the CPU's, not the card's." if self.simulated else "")
+            lines += [f"Model {self.model}, on {where}.{stand_in}", ""]
+        lines += [
             "| workload | alone | together | slowdown |", "|---|---|---|---|",
             f"| {self.indexing} | {self.indexing_alone_s:.2f} s | "
             f"{self.indexing_with_inference_s:.2f} s | {self.indexing_slowdown:.2f}x |",
@@ -183,11 +195,13 @@ class ContentionCancelled(WorkbenchError):
 
 def run_contention(run_inference, corpus: Path, workers: int, progress=None,
                    cancel: threading.Event | None = None, threads=None,
-                   generation: dict | None = None, device_fallback: str | None = None) -> ContentionReport:
+                   generation: dict | None = None, device_fallback: str | None = None, model: str | None = None,
+                   device: str | None = None, simulated: bool = False) -> ContentionReport:
     """`run_inference()` runs one inference workload and returns its completion time in seconds; `threads()`, where
     given, the CPU expert kernels' thread count (KernelThreads.state), read after each timed inference; `generation`,
-    how its answers are asked for (schema.generation_settings), and `device_fallback`, why the inference runs every
-    expert on the CPU where its CUDA GPU could not be used, kept in the report.
+    how its answers are asked for (schema.generation_settings), `device_fallback`, why the inference runs every
+    expert on the CPU where its CUDA GPU could not be used, and the `model` folder and the `device` it runs on
+    (`simulated`: the simulated GPU), kept in the report.
 
     `cancel` is checked between the phases (a warm-up of each, indexing alone, inference alone, both): a set
     event raises ContentionCancelled there (`run_inference` may watch it too, between tokens)."""
@@ -233,4 +247,4 @@ def run_contention(run_inference, corpus: Path, workers: int, progress=None,
     phase_done(1.0)
     return ContentionReport(workers, documents, indexing_alone, inference_alone,
                             together["indexing"], together["inference"], threads_alone, threads_together, others,
-                            generation, device_fallback)
+                            generation, device_fallback, model, device, simulated)
