@@ -801,7 +801,7 @@ def _scenarios(name: str) -> list[str]:
 def _cmd_record(args) -> int:
     from engine.generation import GenerationParams, LoadedModel
     from engine.records.history import History
-    from engine.errors import PromptError
+    from engine.errors import ConversationFullError, PromptError
     from engine.records.scenarios import run_scenario, scenario_answer_tokens, scenario_turns
 
     history = History(args.history)  # a bad history file refused before the model loads
@@ -833,6 +833,8 @@ def _cmd_record(args) -> int:
         except (Exception, KeyboardInterrupt) as exc:  # after runs were saved: say them (and print them, with --json)
             if os.environ.get("MOE_WORKBENCH_DEBUG"):
                 raise
+            if isinstance(exc, ConversationFullError):  # (its "start a new conversation" is the window's chat's)
+                exc = PromptError(f"{exc.problem} (a smaller --max-new-tokens leaves the scenario's turns more room)")
             if records:
                 return _record_stopped(exc, scenario, records, args.json, getattr(args, "offload_mode", None))
             if isinstance(exc, PromptError):  # a prompt the model cannot take: whose, as _record_stopped says

@@ -980,6 +980,23 @@ def test_record_names_the_scenario_whose_prompt_the_context_cannot_hold(copy_fix
                                             r"context is 24", err.splitlines()[-1]), err
 
 
+def test_records_multiturn_past_the_context_does_not_say_to_start_a_new_conversation(copy_fixture, tmp_path, capsys):
+    """A multiturn run whose answers filled the model's context ended in the chat's refusal, "...: start a new
+    conversation", which no record can do; it says what leaves the turns more room instead."""
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["context_length"] = 80
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    said = (r"multiturn: the conversation so far \(\d+ tokens\) and this message \(\d+\) come to \d+ tokens, past the "
+            r"model's context of 80 \(a smaller --max-new-tokens leaves the scenario's turns more room\)")
+    record = ("record", str(folder), "--max-new-tokens", "30", "--history", str(tmp_path / "h.sqlite"))
+    status, _out, err = _main(capsys, *record, "--scenario", "multiturn")
+    assert status == 2 and re.fullmatch(f"moe-workbench: error: {said}", err.splitlines()[-1]), err
+    status, _out, err = _main(capsys, *record, "--scenario", "all")  # after the short run, saved
+    assert status == 2 and re.fullmatch(f"moe-workbench: error: {said}; the 1 run before it is saved in the history "
+                                        r"\(id \d+\)", err.splitlines()[-1]), err
+
+
 def test_a_sweep_saved_under_a_layer_split_and_decode_path_keeps_them_for_config(tmp_path, capsys, monkeypatch):
     """A sweep run with --layer-split spread --decode-path cpu saves both beside the entries (a configuration held
     onnxruntime's keys only, so --config ran it with both measured anew, not as swept); --config sets them where
