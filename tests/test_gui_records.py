@@ -942,6 +942,26 @@ def test_the_contention_view_names_the_scenario_that_ran_not_the_one_chosen_sinc
     assert jobs[0].scenario == "short" and view.table.item(1, 0).text() == "inference (short)"
 
 
+def test_the_windows_contention_report_names_the_model_and_the_device(tmp_path):
+    """The command line's report opens with the model and the device it measured (and says the CPU stands in for a
+    simulated card); the one the window saves named neither, as its job did not pass them on."""
+    from app.gui.records_jobs import ContentionJob
+
+    corpus = str(make_corpus(tmp_path / "corpus", files=4, words_per_file=60))
+    device = SimulatedDevice(1 << 30)
+    gptoss = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(device_expert_bytes=2 * EXPERT),
+                              device=device)
+    report = ContentionJob(corpus, 1, max_new_tokens=2)(_sweep_context(gptoss, device, [])).report
+    assert report.markdown().startswith(
+        f"Model {fixture_folder('gptoss').resolve()}, on the simulated GPU, 1.0 GiB. The CPU computes the simulated "
+        "card's experts too, standing in for it: the inference times are the CPU's, not the card's.\n\n| workload |")
+    assert (report.model, report.device, report.simulated) == (
+        str(fixture_folder("gptoss").resolve()), "simulated GPU, 1.0 GiB", True)
+    lfm2 = LoadedModel.open(fixture_folder("lfm2moe"))
+    report = ContentionJob(corpus, 1, max_new_tokens=2)(_sweep_context(lfm2, None, [])).report
+    assert report.markdown().startswith(f"Model {fixture_folder('lfm2moe').resolve()}, on the CPU.\n\n| workload |")
+
+
 def test_sweep_view_runs_both_layer_splits_and_draws_the_whole_layer_points_apart(qtbot, window):
     load(qtbot, window, "gptoss", SIMULATED)
     view = window.sweep

@@ -1229,7 +1229,8 @@ def test_the_contention_job_names_the_phase_that_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(jobs, "run_scenario", lambda *args, **kwargs: ran.append(("inference", shown[0]))
                         or SimpleNamespace(timings={"completion_s": 0.1}))
     corpus = make_corpus(tmp_path / "corpus", files=2, words_per_file=10)
-    model = SimpleNamespace(decoder=SimpleNamespace(kernel_threads=SimpleNamespace(state=lambda: None)))
+    model = SimpleNamespace(decoder=SimpleNamespace(kernel_threads=SimpleNamespace(state=lambda: None)),
+                            folder=SimpleNamespace(folder=tmp_path / "model"))
     ctx = jobs.JobContext(model, None, {}, threading.Event(), lambda fraction, text: shown.__setitem__(0, text),
                           lambda batch: None, None)
     jobs.ContentionJob(str(corpus), workers=1, max_new_tokens=4)(ctx)
