@@ -27,7 +27,7 @@ from engine.records.history import History  # noqa: E402
 from engine.records.scenarios import run_scenario  # noqa: E402
 from engine.records.side_by_side import first_divergence  # noqa: E402
 from engine.records.sweep import recommend  # noqa: E402
-from engine.units import counted, human_bytes  # noqa: E402
+from engine.units import counted, human_bytes, seconds_figures  # noqa: E402
 from tests.conftest import fixture_folder  # noqa: E402
 
 WAIT = 60_000
@@ -871,8 +871,8 @@ def test_contention_view_times_three_phases_and_saves_the_report(qtbot, window, 
     assert report.documents == 12 and report.workers == 1
     assert report.indexing_alone_s > 0 and report.inference_alone_s > 0
     assert report.indexing_with_inference_s > 0 and report.inference_with_indexing_s > 0
-    assert view.table.item(0, 1).text() == f"{report.indexing_alone_s:.2f} s"
-    assert view.table.item(1, 2).text() == f"{report.inference_with_indexing_s:.2f} s"
+    assert view.table.item(0, 1).text() == f"{seconds_figures(report.indexing_alone_s)} s"
+    assert view.table.item(1, 2).text() == f"{seconds_figures(report.inference_with_indexing_s)} s"
     assert view.table.item(1, 3).text() == f"{report.inference_slowdown:.2f}×"
     shares = report.others_share
     assert view.bar.status.text().endswith(f"Other processes took {shares['indexing_alone']:.0%} and "
@@ -940,6 +940,23 @@ def test_the_contention_view_names_the_scenario_that_ran_not_the_one_chosen_sinc
     view.scenario.setCurrentText("long")
     view.on_finished(ContentionResult(ContentionReport(1, 12, 1.0, 2.0, 1.5, 3.0), "corpus"))
     assert jobs[0].scenario == "short" and view.table.item(1, 0).text() == "inference (short)"
+
+
+def test_the_contention_tables_give_a_fast_answers_time_in_figures_that_tell_it(qtbot):
+    """The report's table and the window's gave times with two decimals: a small model's inference in 4 ms read
+    "0.00 s" alone and together. They give them as every other time is (units.seconds_figures)."""
+    from app.gui.contention_view import ContentionView
+    from app.gui.records_jobs import ContentionResult
+    from engine.records.contention import ContentionReport
+
+    report = ContentionReport(1, 12, 1.5, 0.00412, 2.25, 0.0087)
+    assert report.markdown().splitlines()[2:4] == ["| indexing 12 files, 1 worker | 1.50 s | 2.25 s | 1.50x |",
+                                                   "| inference | 0.00412 s | 0.00870 s | 2.11x |"]
+    view = ContentionView()
+    qtbot.addWidget(view)
+    view.on_finished(ContentionResult(report, "corpus"))
+    assert [view.table.item(1, c).text() for c in range(1, 4)] == ["0.00412 s", "0.00870 s", "2.11×"]
+    assert [view.table.item(0, c).text() for c in range(1, 4)] == ["1.50 s", "2.25 s", "1.50×"]
 
 
 def test_the_windows_contention_report_names_the_model_and_the_device(tmp_path):

@@ -16,6 +16,7 @@ from engine.errors import not_written
 from engine.records.contention import MAX_WORKERS, ContentionReport
 from engine.records.lengths import SCENARIO_TOKENS
 from engine.records.scenarios import SCENARIOS
+from engine.units import seconds_figures
 
 KIND = "contention"
 
@@ -111,7 +112,8 @@ class ContentionView(QWidget):
                 (f"inference ({self.ran_scenario})", report.inference_alone_s,
                  report.inference_with_indexing_s, report.inference_slowdown))
         for r, (name, alone, together, slowdown) in enumerate(rows):
-            for c, text in enumerate((name, f"{alone:.2f} s", f"{together:.2f} s", f"{slowdown:.2f}×")):
+            for c, text in enumerate((name, f"{seconds_figures(alone)} s", f"{seconds_figures(together)} s",
+                                      f"{slowdown:.2f}×")):
                 self.table.setItem(r, c, QTableWidgetItem(text))
         self.save_button.setEnabled(True)
         shares = report.others_share or {}

@@ -19,7 +19,7 @@ import platformdirs
 from engine.errors import WorkbenchError
 from engine.host_load import HostLoadMeter
 from engine.sampling import SamplingParams, describe
-from engine.units import counted
+from engine.units import counted, seconds_figures
 
 _WORDS = ("expert router token layer memory bandwidth cache offload device budget prefill decode "
           "placement resident cold hot kernel thread index search query document corpus record sweep "
@@ -145,10 +145,10 @@ class ContentionReport:
             lines += [f"Model {self.model}, on {where}.{stand_in}", ""]
         lines += [
             "| workload | alone | together | slowdown |", "|---|---|---|---|",
-            f"| {self.indexing} | {self.indexing_alone_s:.2f} s | "
-            f"{self.indexing_with_inference_s:.2f} s | {self.indexing_slowdown:.2f}x |",
-            f"| inference | {self.inference_alone_s:.2f} s | {self.inference_with_indexing_s:.2f} s | "
-            f"{self.inference_slowdown:.2f}x |"]
+            f"| {self.indexing} | {seconds_figures(self.indexing_alone_s)} s | "
+            f"{seconds_figures(self.indexing_with_inference_s)} s | {self.indexing_slowdown:.2f}x |",
+            f"| inference | {seconds_figures(self.inference_alone_s)} s | "
+            f"{seconds_figures(self.inference_with_indexing_s)} s | {self.inference_slowdown:.2f}x |"]
         if self.generation:
             lines += ["", f"Answers: {answers_asked(self.generation)}, at most {self.generation['max_new_tokens']} "
                           "tokens each."]
