@@ -802,7 +802,7 @@ def _cmd_record(args) -> int:
     from engine.generation import GenerationParams, LoadedModel
     from engine.records.history import History
     from engine.errors import ConversationFullError, PromptError
-    from engine.records.scenarios import run_scenario, scenario_answer_tokens, scenario_turns
+    from engine.records.scenarios import run_scenario, scenario_answer_tokens, scenario_turns, turns_past_the_context
 
     history = History(args.history)  # a bad history file refused before the model loads
     history.check_writable()
@@ -834,7 +834,7 @@ def _cmd_record(args) -> int:
             if os.environ.get("MOE_WORKBENCH_DEBUG"):
                 raise
             if isinstance(exc, ConversationFullError):  # (its "start a new conversation" is the window's chat's)
-                exc = PromptError(f"{exc.problem} (a smaller --max-new-tokens leaves the scenario's turns more room)")
+                exc = turns_past_the_context(exc, "--max-new-tokens")
             if records:
                 return _record_stopped(exc, scenario, records, args.json, getattr(args, "offload_mode", None))
             if isinstance(exc, PromptError):  # a prompt the model cannot take: whose, as _record_stopped says
@@ -1182,9 +1182,10 @@ def _budget_text(budget: str | None, device: str | None) -> str:
 
 
 def _cmd_contention(args) -> int:
+    from engine.errors import ConversationFullError, PromptError
     from engine.generation import GenerationParams, LoadedModel
     from engine.records.contention import corpus_problem, default_corpus, run_contention
-    from engine.records.scenarios import run_scenario, scenario_answer_tokens
+    from engine.records.scenarios import run_scenario, scenario_answer_tokens, turns_past_the_context
     from engine.records.schema import generation_settings
 
     corpus = Path(args.corpus) if args.corpus else default_corpus()  # checked before the model loads (minutes)
@@ -1200,8 +1201,14 @@ def _cmd_contention(args) -> int:
     _warn_after_load(args, model)
     params = GenerationParams(max_new_tokens=args.max_new_tokens or scenario_answer_tokens(model, args.scenario),
                               sampling=sampling)
-    report = run_contention(lambda: run_scenario(model, args.scenario, params, device).timings["completion_s"],
-                            corpus, args.workers, progress=_ProgressLine("contention"),
+
+    def inference() -> float:
+        try:
+            return run_scenario(model, args.scenario, params, device).timings["completion_s"]
+        except ConversationFullError as exc:  # (its "start a new conversation" is the window's chat's)
+            raise PromptError(f"{args.scenario}: {turns_past_the_context(exc, '--max-new-tokens')}") from None
+
+    report = run_contention(inference, corpus, args.workers, progress=_ProgressLine("contention"),
                             threads=model.decoder.kernel_threads.state, generation=generation_settings(params),
                             device_fallback=fallback[0] if fallback else None, model=str(model.folder.folder),
                             device=getattr(device, "name", "cpu"), simulated=is_simulated(device))

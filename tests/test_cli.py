@@ -997,6 +997,25 @@ def test_records_multiturn_past_the_context_does_not_say_to_start_a_new_conversa
                                         r"\(id \d+\)", err.splitlines()[-1]), err
 
 
+def test_contention_multiturn_past_the_context_does_not_say_to_start_a_new_conversation(copy_fixture, tmp_path,
+                                                                                        capsys):
+    """As record's (above): contention's multiturn inference whose answers filled the model's context ended in the
+    chat's "...: start a new conversation", which the test cannot do; it says what leaves the turns more room."""
+    from engine.records.contention import make_corpus
+
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["context_length"] = 80
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    corpus = make_corpus(tmp_path / "corpus", files=2, words_per_file=30)
+    status, _out, err = _main(capsys, "contention", str(folder), "--corpus", str(corpus), "--workers", "1",
+                              "--scenario", "multiturn", "--max-new-tokens", "30")
+    assert status == 2 and re.fullmatch(
+        r"moe-workbench: error: multiturn: the conversation so far \(\d+ tokens\) and this message \(\d+\) come to "
+        r"\d+ tokens, past the model's context of 80 \(a smaller --max-new-tokens leaves the scenario's turns more "
+        r"room\)", err.splitlines()[-1]), err
+
+
 def test_a_sweep_saved_under_a_layer_split_and_decode_path_keeps_them_for_config(tmp_path, capsys, monkeypatch):
     """A sweep run with --layer-split spread --decode-path cpu saves both beside the entries (a configuration held
     onnxruntime's keys only, so --config ran it with both measured anew, not as swept); --config sets them where

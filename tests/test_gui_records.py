@@ -959,6 +959,28 @@ def test_the_contention_tables_give_a_fast_answers_time_in_figures_that_tell_it(
     assert [view.table.item(0, c).text() for c in range(1, 4)] == ["1.50 s", "2.25 s", "1.50×"]
 
 
+def test_the_windows_record_and_contention_test_past_the_context_do_not_say_to_start_a_new_conversation(
+        copy_fixture, tmp_path):
+    """A multiturn Record or contention test whose answers filled the model's context ended in the chat's "...: start a
+    new conversation", which neither can do; they say what leaves the turns more room, as `record` does."""
+    from app.gui.records_jobs import ContentionJob, ScenarioJob
+    from engine.errors import PromptError
+
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["context_length"] = 80
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    model = LoadedModel.open(folder)
+    said = (r"multiturn: the conversation so far \(\d+ tokens\) and this message \(\d+\) come to \d+ tokens, past the "
+            r"model's context of 80 \(a smaller answer length leaves the scenario's turns more room\)")
+    result = ScenarioJob(["multiturn"], 30, str(tmp_path / "h.sqlite"))(_sweep_context(model, None, []))
+    assert result.saved == [] and len(result.errors) == 1 and re.fullmatch(said, result.errors[0]), result.errors
+    corpus = str(make_corpus(tmp_path / "corpus", files=2, words_per_file=30))
+    with pytest.raises(PromptError) as raised:
+        ContentionJob(corpus, 1, "multiturn", 30)(_sweep_context(model, None, []))
+    assert re.fullmatch(said, str(raised.value)), raised.value
+
+
 def test_the_windows_contention_report_names_the_model_and_the_device(tmp_path):
     """The command line's report opens with the model and the device it measured (and says the CPU stands in for a
     simulated card); the one the window saves named neither, as its job did not pass them on."""

@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 
 import psutil
 
-from engine.errors import PromptError
+from engine.errors import ConversationFullError, PromptError
 from engine.generation import Conversation, GenerationParams, LoadedModel
 from engine.host_load import HostLoadMeter
 from engine.kernel_warmup import warm_model
@@ -55,6 +55,13 @@ def scenario_turns(name: str, tokenizer, config, max_new_tokens: int) -> list[st
                               f"{config.context_length}")
         return [_long_prompt(tokenizer)]
     raise ValueError(f"unknown scenario '{name}' (known: {', '.join(SCENARIOS)})")
+
+
+def turns_past_the_context(exc: ConversationFullError, answer_length: str) -> PromptError:
+    """A scenario's turn that the model's context cannot take after the answers before it: the conversation's refusal
+    ends in the window's chat's remedy ("start a new conversation"), which a scenario run cannot take; this says what
+    leaves its turns more room instead, `answer_length` naming where the user sets it ("--max-new-tokens")."""
+    return PromptError(f"{exc.problem} (a smaller {answer_length} leaves the scenario's turns more room)")
 
 
 def scenario_answer_tokens(model: LoadedModel, name: str) -> int:
