@@ -1045,7 +1045,8 @@ def test_an_apply_the_engine_accepts_takes_down_the_error_of_one_it_refused_befo
 
 def test_unload_takes_down_the_error_of_the_model_it_unloads(qtbot, window):
     """A refused Apply's error stayed up over Unload, which has nothing to do with it: the window said 'No model
-    loaded' under 'Could not apply the settings: …'. Unload takes the last error down, as Send, Apply and a load do."""
+    loaded' under 'Could not apply the settings: …'. Unload takes the last error down, as Send, Apply and a load
+    do."""
     load(qtbot, window, fixture_folder("gptoss"), simulated())
     budget = window.budget_panel
     refused = {**budget.applied, "entries": {**budget.applied["entries"], "pinned_bytes": str(staged() - 1)}}
