@@ -18,6 +18,7 @@ import weakref
 
 import psutil
 
+from engine.errors import ModelFileError
 from engine.expert_node import ExpertNodeInfo
 from engine.onnx_file import OnnxFile
 
@@ -39,7 +40,8 @@ def expert_ranges(source: OnnxFile, infos: list[ExpertNodeInfo]) -> list[tuple[s
 
 
 class ExpertPrefault:
-    """The background thread. `done` is set when it has finished, stopped or found the system cannot populate."""
+    """The background thread. `done` is set when it has finished, stopped, found the system cannot populate
+    (`supported` False) or found the data file truncated since the load (`error`: check_mapped_files' line)."""
 
     def __init__(self, source: OnnxFile, infos: list[ExpertNodeInfo], available: int | None = None):
         self._source = weakref.ref(source)  # an unloaded model's mapping is not kept alive by this thread
@@ -52,6 +54,7 @@ class ExpertPrefault:
             total += piece[2]
         self.populated_bytes = 0
         self.supported = True
+        self.error: str | None = None
         self.done = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="expert-prefault", daemon=True)
@@ -72,7 +75,14 @@ class ExpertPrefault:
                 source = self._source()
                 if source is None or self._stop.is_set():
                     return
-                if not source.populate_pages(name, start, length):
+                try:
+                    populated = source.populate_pages(name, start, length)
+                    if not populated:  # a range past a truncated file's end fails the call too (EFAULT): said as that
+                        source.check_mapped_files()
+                except ModelFileError as exc:
+                    self.error = str(exc)
+                    return
+                if not populated:
                     self.supported = False
                     return
                 self.populated_bytes += length

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import bisect
+import shutil
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -160,3 +163,35 @@ def test_a_replan_to_every_expert_resident_that_the_device_cannot_hold_keeps_the
     assert engine.plan.placement_mode != "all_resident"
     assert engine.prefault is not None and engine.prefault is model.prefault  # it was None, the stopped one model's
     assert engine.prefault.done.wait(30) and engine.prefault.populated_bytes == expert_tensor_bytes(model)
+
+
+TRUNCATED_PREFAULT = """
+import sys
+from pathlib import Path
+from engine.expert_prefault import ExpertPrefault
+from engine.generation import LoadedModel
+folder = Path(sys.argv[1])
+model = LoadedModel.open(folder)
+assert model.prefault.done.wait(30)
+data = folder / "model.onnx.data"
+data.write_bytes(data.read_bytes()[:4096])
+prefault = ExpertPrefault(model.folder.onnx, model.folder.experts).start()
+assert prefault.done.wait(30)
+print(prefault.supported, prefault.populated_bytes, getattr(prefault, "error", None))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_READ is Linux's")
+def test_a_population_on_a_data_file_truncated_since_the_load_names_the_truncation(folder, tmp_path):
+    """Populating pages past the end of a data file cut short since the load fails the call (EFAULT, where a read
+    would raise SIGBUS): the population recorded that the system cannot populate. It names the file and the
+    truncation, in check_mapped_files' words. In a process of its own, so that a crash fails the test."""
+    copy = tmp_path / "m"
+    shutil.copytree(folder, copy)
+    whole = (copy / "model.onnx.data").stat().st_size
+    result = subprocess.run([sys.executable, "-c", TRUNCATED_PREFAULT, str(copy)], cwd=Path(__file__).parents[1],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert result.stdout.splitlines() == [
+        f"True 0 {copy / 'model.onnx.data'}: truncated since the model was loaded: it has 4096 bytes of the {whole} "
+        "its initializers take; load the model again"]
