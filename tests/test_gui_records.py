@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -1717,6 +1719,79 @@ def test_a_stopped_sweep_says_whether_the_device_still_holds_the_models_own_budg
     view.on_finished(SweepResult(**stopped, held_before=3 * EXPERT, held_after=EXPERT))
     assert view.bar.status.text().endswith("; no recommendation; the model is back at its own budgets, but the device "
                                            "now holds 34.5 KiB of its experts where it held 103.5 KiB.")
+
+
+SWEEP_TRUNCATED = """
+import sys
+import threading
+from pathlib import Path
+from app.gui.records_jobs import SweepJob
+from engine.generation import LoadedModel
+from engine.offload import OffloadConfig, SimulatedDevice
+folder, history = Path(sys.argv[1]), sys.argv[2]
+device = SimulatedDevice(1 << 30)
+model = LoadedModel.open(folder, offload=OffloadConfig(), device=device)
+data = folder / "model.onnx.data"
+
+
+def progress(fraction, text):
+    if text.startswith("at budget share 50%") and data.stat().st_size > 4096:  # the second point, re-planned
+        data.write_bytes(data.read_bytes()[:4096])
+
+
+ctx = type("Ctx", (), {"device": device, "cancel": threading.Event(), "loaded": lambda self: model,
+                       "device_fallback": "", "progress": lambda self, fraction, text: progress(fraction, text),
+                       "stream": lambda self, batch: None})()
+result = SweepJob(3, ["short"], 2, history_path=history, repeats=1)(ctx)
+print(len(result.points), len(result.saved_ids), result.stopped_at)
+print(result.failure)
+print(result.budgets_back)
+print(model.offload.config.device_expert_bytes)
+"""
+
+
+def test_a_sweep_whose_data_file_was_truncated_keeps_its_points_and_says_to_load_the_model_again(copy_fixture,
+                                                                                                   tmp_path):
+    """After a point refused a data file cut short since the load, putting the user's budgets back refused it too,
+    and that error replaced the job's result: the window said it alone, without the point saved before, and the model
+    stayed at the sweep's last budget unsaid. The result keeps the points, says the truncation once, and that the
+    model stays at the sweep's last budget (the line says to load it again). In a process of its own, so that a crash
+    fails the test rather than ending pytest."""
+    folder = copy_fixture("gptoss")
+    whole = (folder / "model.onnx.data").stat().st_size
+    result = subprocess.run([sys.executable, "-c", SWEEP_TRUNCATED, str(folder), str(tmp_path / "h.sqlite")],
+                            cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert result.stdout.splitlines() == [
+        "1 1 at budget share 50% (device_expert_bytes=282624), point 2 of 3",
+        f"{folder / 'model.onnx.data'}: truncated since the model was loaded: it has 4096 bytes of the {whole} its "
+        "initializers take; load the model again",
+        "the model stays at the sweep's last budget", "282624"]
+
+
+def test_the_window_says_a_sweep_left_the_model_at_its_last_budget_once(qtbot, tmp_path):
+    """A sweep whose data file was cut short since the load could not put the user's budgets back: the run line says the
+    model stays at the sweep's last budget, with the truncation once (said already as the point's failure), and
+    a sweep that ran to its end says it too, in the banner as well."""
+    from app.gui.records_jobs import SweepResult
+    from app.gui.sweep_view import SweepView
+
+    view = SweepView(tmp_path / "h.sqlite")
+    qtbot.addWidget(view)
+    banner = []
+    view.failed.connect(banner.append)
+    cut = "/m/model.onnx.data: truncated since the model was loaded: it has 4096 bytes of the 1149792 its " \
+          "initializers take; load the model again"
+    view.on_finished(SweepResult(points=[], requested=3, model_folder="m", base_entries={}, failure=cut,
+                                 stopped_at="at budget share 50% (device_expert_bytes=282624), point 2 of 3",
+                                 not_restored=cut))
+    assert view.bar.status.text() == (f"Failed at budget share 50% (device_expert_bytes=282624), point 2 of 3: {cut}; "
+                                      "no point completed before it; no recommendation; the model stays at the "
+                                      "sweep's last budget.")
+    view.on_finished(SweepResult(points=[], requested=3, model_folder="m", base_entries={}, not_restored=cut))
+    assert view.bar.status.text() == f"0 points; 0 runs saved to the history. The model stays at the sweep's last " \
+                                     f"budget: {cut}."
+    assert banner[-1] == f"The model stays at the sweep's last budget: {cut}"
 
 
 def test_the_window_names_a_sweeps_tie_within_the_spread_between_repeats(qtbot, tmp_path):

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from app.gui.side_streams import SideStreams
-from engine.errors import ConversationFullError, PromptError, WorkbenchError, gpu_out_of_memory, one_line
+from engine.errors import (ConversationFullError, ModelFileError, PromptError, WorkbenchError, gpu_out_of_memory,
+                           one_line)
 from engine.generation import GenerationParams, LoadedModel
 from engine.offload import OffloadConfig
 from engine.records.contention import (ContentionCancelled, ContentionReport, corpus_problem, default_corpus,
@@ -247,10 +248,15 @@ class SweepResult:
     held_after: int = 0         # user's budgets back (less where the device has less free now)
     layer_split: str = "auto"   # the loaded model's layer split and decode path, which the points ran with (with
     decode_path: str = "auto"   # both splits, each point its own split)
+    not_restored: str = ""      # why the user's budgets could not be put back (a data file changed since the load:
+                                # its one line, which says to load the model again); "" where they were
 
     @property
     def budgets_back(self) -> str:
         """What the sweep left the model at, as the run line says it."""
+        if self.not_restored:  # said once where the point failed on the same file
+            last = "the model stays at the sweep's last budget"
+            return last if self.not_restored == self.failure else f"{last}: {self.not_restored}"
         if self.held_after >= self.held_before:
             return "the model is back at its own budgets"
         return (f"the model is back at its own budgets, but the device now holds {human_bytes(self.held_after)} of "
@@ -345,12 +351,17 @@ class SweepJob:
         except Exception as exc:  # run_sweep's note names the point; before the first, the warm-up failed
             where, failure = stopped_at(exc), one_line(exc, original.mode)
         finally:
-            model.offload.reconfigure(original)  # the loaded model keeps the user's budgets
+            not_restored = ""
+            try:
+                model.offload.reconfigure(original)  # the loaded model keeps the user's budgets
+            except ModelFileError as exc:  # the re-plan refused to read a data file cut short: the points stay
+                not_restored = one_line(exc)
         return SweepResult(points, planned[0], str(model.folder.folder), original.to_entries(), saved_ids=saved_ids,
                            length_note=reasoning_length_note(model.reasoning_answer_tokens, params.max_new_tokens),
                            stopped_at=where, failure=failure, left_out=left_out[0], skipped=skipped,
                            held_before=held_before, held_after=model.offload.plan.budget_bytes,
-                           layer_split=model.offload.layer_split_mode, decode_path=model.offload.decode_path_mode)
+                           layer_split=model.offload.layer_split_mode, decode_path=model.offload.decode_path_mode,
+                           not_restored=not_restored)
 
 
 # --- side by side ------------------------------------------------------------------------------------

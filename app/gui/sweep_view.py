@@ -280,11 +280,14 @@ class SweepView(QWidget):
             return
         self._recommend()
         note = result.length_note
-        lines = [line[:1].upper() + line[1:] for line in (result.skipped, result.left_out) if line]
+        back = result.budgets_back if result.not_restored else ""  # a data file changed after the last point
+        lines = [line[:1].upper() + line[1:] for line in (result.skipped, result.left_out, back) if line]
         self.bar.finish(" ".join([f"{len(result.points)} points; {len(result.saved_ids)} runs saved to the history.",
                                   *(f"{line}." for line in lines)] + ([sentence(note)] if note else [])))
         if result.skipped:  # in the error banner too, as Record says a scenario it skips
             self.failed.emit(lines[0])
+        if back:
+            self.failed.emit(lines[-1])
         if result.saved_ids:
             self.recorded.emit(result.saved_ids)
 
