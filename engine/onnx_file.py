@@ -114,6 +114,8 @@ class OnnxFile:
         self._fold_constants()
         self.initializers: dict[str, onnx.TensorProto] = {t.name: t for t in self.proto.graph.initializer}
         self._maps: dict[str, mmap.mmap] = {}
+        # each mapped data file's (device, inode) and modification time when mapped (check_mapped_files)
+        self._mapped_stamps: dict[str, tuple[tuple[int, int], int]] = {}
         # each initializer's external data (None: inline), parsed once: release_pages runs at every copy of an expert
         # to the device under a bounded host cache (HostExpertCache), and parsing took 2.5 of its 4 µs
         self._refs: dict[str, ExternalRef | None] = {}
@@ -232,23 +234,36 @@ class OnnxFile:
             except OSError as exc:  # removed or made unreadable since it was checked
                 raise ModelFileError(f"{path}: not readable ({exc.strerror or exc})") from None
             with data:
-                size, needs = os.fstat(data.fileno()).st_size, self._data_needs[location]
+                stat = os.fstat(data.fileno())
+                size, needs = stat.st_size, self._data_needs[location]
                 if size < needs:  # rewritten since it was checked
                     raise ModelFileError(f"{path}: truncated since the model folder was opened: it has {size} bytes "
                                          f"of the {needs} its initializers take")
                 mapping = mmap.mmap(data.fileno(), 0, access=mmap.ACCESS_READ)
             self._maps[location] = mapping
+            self._mapped_stamps[location] = ((stat.st_dev, stat.st_ino), stat.st_mtime_ns)
         return mapping
 
     def check_mapped_files(self) -> None:
         """Refuse, naming the file, where a mapped data file was truncated since it was mapped (the folder rewritten in
-        place): a read past its new end kills the process (SIGBUS). A file deleted or replaced by another keeps its
-        mapping whole (mmap.size reads the mapped file's own size)."""
+        place): a read past its new end kills the process (SIGBUS); or written to in place at any size (its
+        modification time moved): the mapping shows the new bytes, so the weights would change under the loaded
+        model unsaid. A file deleted or replaced by another keeps its mapping whole (mmap.size reads the mapped
+        file's own size; the path's file is then another inode, not checked)."""
         for location, mapping in self._maps.items():
+            path = self.folder / location
             size, needs = mapping.size(), self._data_needs[location]
             if size < needs:
-                raise ModelFileError(f"{self.folder / location}: truncated since the model was loaded: it has {size} "
+                raise ModelFileError(f"{path}: truncated since the model was loaded: it has {size} "
                                      f"bytes of the {needs} its initializers take; load the model again")
+            inode, mtime = self._mapped_stamps[location]
+            try:
+                now = os.stat(path)
+            except OSError:  # removed (or made unreadable): the mapping is the loaded file still
+                continue
+            if (now.st_dev, now.st_ino) == inode and now.st_mtime_ns != mtime:
+                raise ModelFileError(f"{path}: changed since the model was loaded (written to in place); "
+                                     "load the model again")
 
     def array(self, name: str) -> np.ndarray:
         """The initializer's values: a read-only memory-mapped view for external data (no copy)."""

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 
 import onnx
 import pytest
@@ -783,6 +785,33 @@ def test_external_data_cut_short_after_the_folder_was_opened_is_named_at_the_loa
     said = rf"^{emptied / 'model.onnx.data'}: truncated since the model folder was opened: it has 0 bytes of the"
     with pytest.raises(ModelFileError, match=said):
         LoadedModel(opened)
+
+
+def test_a_data_file_rewritten_in_place_at_its_size_after_the_load_is_refused_by_name(copy_fixture):
+    """The experts are read from a shared mapping of the data file: one rewritten in place at the same size after the
+    load (other weights written over it) changed the loaded model's weights unsaid, since only the size was checked.
+    The check each answer (and run, re-plan) starts with refuses it, naming the file. One replaced by another file
+    (a new inode) is not: the mapping keeps the loaded file's bytes."""
+    from engine.errors import ModelFileError
+    from engine.generation import LoadedModel
+
+    folder = copy_fixture("gptoss")
+    data = folder / "model.onnx.data"
+    whole = data.read_bytes()
+    replaced = LoadedModel.open(folder)
+    fresh = folder.parent / "fresh.data"
+    fresh.write_bytes(whole[::-1])
+    os.replace(fresh, data)
+    replaced.folder.onnx.check_mapped_files()
+    data.write_bytes(whole)  # the replacement, rewritten in place
+    model = LoadedModel.open(folder)
+    model.folder.onnx.check_mapped_files()
+    time.sleep(0.01)  # past the file system's timestamp granularity (a few ms at most)
+    with open(data, "r+b") as rewritten:
+        rewritten.write(whole[::-1])
+    with pytest.raises(ModelFileError, match=rf"^{re.escape(str(data))}: changed since the model was loaded \(written "
+                                             r"to in place\); load the model again$"):
+        model.folder.onnx.check_mapped_files()
 
 
 @pytest.mark.parametrize("name", ["model.onnx", "model.onnx.data", "genai_config.json", "tokenizer.json"])
