@@ -173,6 +173,33 @@ def test_a_chat_length_the_settings_file_keeps_out_of_range_is_said_not_answered
     win.close()
 
 
+@pytest.mark.parametrize("kept, problem", [
+    ('{"seed": 2147483648}', "seed 2147483648 is not within -1 to 2147483647"),
+    ('{"top_k": 1099511627776}', "top_k 1099511627776 is not within 0 to 100000"),
+    ('{"temperature": NaN}', "temperature NaN is not within 0 to 5"),
+    ('{"temperature": 99}', "temperature 99 is not within 0 to 5"),
+    ('{"top_p": -3}', "top_p -3 is not within 0 to 1"),
+    ('{"repetition_penalty": 0.1}', "repetition_penalty 0.1 is not within 0.5 to 3"),
+])
+def test_chat_options_the_settings_file_keeps_out_of_a_box_range_are_said_not_clamped(qtbot, tmp_path, kept, problem):
+    """A hand-edited chat seed or top-k past 32 bits raised OverflowError from the box, and the window did not open;
+    a temperature of 99 or NaN, a top-p of -3, became the box's nearest (NaN its least) without a word. Each is now
+    said, set aside, and the chat starts from its defaults."""
+    ini = str(tmp_path / "settings.ini")
+    settings = QSettings(ini, QSettings.Format.IniFormat)
+    settings.setValue("chat/options", kept)
+    settings.sync()
+    win = make_window(qtbot, tmp_path, nvml=False)
+    assert win.settings_banner.text() == (
+        f"{ini}: the chat options kept under chat/options cannot be used ({problem}): the chat starts from its "
+        "defaults; what was kept is now under chat/options.bad there")
+    options = win.chat.options()
+    assert (options["seed"], options["top_k"], options["temperature"], options["top_p"],
+            options["repetition_penalty"]) == (-1, 0, 0.0, 1.0, 1.0)
+    win.close()
+    assert QSettings(ini, QSettings.Format.IniFormat).value("chat/options.bad") == kept
+
+
 def test_the_answer_lengths_the_user_sets_outlive_the_window_and_unset_ones_follow_the_model(qtbot, tmp_path):
     """Side by side's, Record's and the contention test's lengths are kept in the settings as the chat's are: one the
     user set comes back after a restart, whatever the model; one they did not set follows the model loaded."""

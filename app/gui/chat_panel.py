@@ -275,11 +275,16 @@ class ChatPanel(QWidget):
             raise ValueError(f"max_new_tokens {tokens} is not a length of 1 to {MAX_ANSWER_TOKENS} tokens")
         # settings saved before the length followed the model hold it, chosen or not: the old default was not chosen
         self.max_tokens.choose(tokens if options.get("max_new_tokens_chosen", tokens != ANSWER_TOKENS) else None)
-        self.temperature.setValue(float(options.get("temperature", 0.0)))
-        self.top_k.setValue(int(options.get("top_k", 0)))
-        self.top_p.setValue(float(options.get("top_p", 1.0)))
-        self.repetition.setValue(float(options.get("repetition_penalty", 1.0)))
-        self.seed.setValue(int(options.get("seed", -1)))
+        for key, box, default in (("temperature", self.temperature, 0.0), ("top_k", self.top_k, 0),
+                                  ("top_p", self.top_p, 1.0), ("repetition_penalty", self.repetition, 1.0),
+                                  ("seed", self.seed, -1)):
+            value = options.get(key, default)
+            number = float(value) if isinstance(box, QDoubleSpinBox) else int(value)
+            # a box holds its nearest without a word (NaN its least), and a QSpinBox raises past 32 bits
+            if not box.minimum() <= number <= box.maximum():
+                raise ValueError(f"{key} {json.dumps(value)} is not within {_number(box.minimum())} to "
+                                 f"{_number(box.maximum())}")
+            box.setValue(number)
         self.stops.setText("|".join(stops))
         self._wanted_reasoning = options.get("reasoning")
         self._select_reasoning()
