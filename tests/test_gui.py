@@ -200,6 +200,34 @@ def test_chat_options_the_settings_file_keeps_out_of_a_box_range_are_said_not_cl
     assert QSettings(ini, QSettings.Format.IniFormat).value("chat/options.bad") == kept
 
 
+@pytest.mark.parametrize("kept, problem", [
+    ('{"seed": 1e400}', "seed Infinity is not a whole number"),
+    ('{"seed": 3.7}', "seed 3.7 is not a whole number"),
+    ('{"top_k": true}', "top_k true is not a whole number"),
+    ('{"max_new_tokens": 5.5}', "max_new_tokens 5.5 is not a whole number"),
+    ('{"temperature": "0.7"}', 'temperature "0.7" is not a number'),
+    ('{"max_new_tokens": 300, "max_new_tokens_chosen": "no"}', 'max_new_tokens_chosen "no" is not true or false'),
+    ('{"reasoning": ["high"]}', 'reasoning ["high"] is not a reasoning value or null'),
+])
+def test_chat_options_the_settings_file_keeps_of_the_wrong_kind_are_said_not_converted(qtbot, tmp_path, kept, problem):
+    """A chat seed of 1e400 in a hand-edited settings file raised OverflowError (int() of infinity) and the window did
+    not open; a seed of 3.7 became 3, a top-k of true 1, a length 5.5 the user's 5, "no" chose the length, and a
+    reasoning of ["high"] was dropped, all without a word. Each is now said, set aside, and the chat starts from its
+    defaults."""
+    ini = str(tmp_path / "settings.ini")
+    settings = QSettings(ini, QSettings.Format.IniFormat)
+    settings.setValue("chat/options", kept)
+    settings.sync()
+    win = make_window(qtbot, tmp_path, nvml=False)
+    assert win.settings_banner.text() == (
+        f"{ini}: the chat options kept under chat/options cannot be used ({problem}): the chat starts from its "
+        "defaults; what was kept is now under chat/options.bad there")
+    options = win.chat.options()
+    assert (options["seed"], options["top_k"], options["temperature"], options["max_new_tokens_chosen"],
+            options["reasoning"]) == (-1, 0, 0.0, False, None)
+    win.close()
+
+
 def test_the_answer_lengths_the_user_sets_outlive_the_window_and_unset_ones_follow_the_model(qtbot, tmp_path):
     """Side by side's, Record's and the contention test's lengths are kept in the settings as the chat's are: one the
     user set comes back after a restart, whatever the model; one they did not set follows the model loaded."""
@@ -365,7 +393,7 @@ UNUSABLE_RECENT = [
 UNUSABLE_CHAT_OPTIONS = [
     ("[1", "not JSON: Expecting ',' delimiter: line 1 column 3 (char 2)"),
     ('["/m"]', "not a JSON object"),
-    ('{"top_k": "many"}', "invalid literal for int() with base 10: 'many'"),
+    ('{"top_k": "many"}', 'top_k "many" is not a whole number'),
     ('{"stop_strings": "END"}', 'stop_strings "END" is not a list of strings'),
 ]
 

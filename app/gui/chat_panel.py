@@ -114,6 +114,15 @@ def copied_text(entry: dict) -> str:
     return entry["text"] or entry.get("reasoning", "")
 
 
+def _kept_number(options: dict, key: str, default: float | int, whole: bool) -> float | int:
+    """A number kept in the chat's options (a settings file, maybe hand-edited), refused unless its box holds it as it
+    is: int() would cut 3.7 to 3, read true as 1 and raise OverflowError on 1e400."""
+    value = options.get(key, default)
+    if type(value) is not int and (whole or type(value) is not float):
+        raise TypeError(f"{key} {json.dumps(value)} is not a {'whole ' if whole else ''}number")
+    return value
+
+
 def _number(value: float | int) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
@@ -270,23 +279,29 @@ class ChatPanel(QWidget):
         stops = options.get("stop_strings", [])
         if not isinstance(stops, list) or not all(isinstance(stop, str) for stop in stops):
             raise TypeError(f"stop_strings {json.dumps(stops)} is not a list of strings")
-        tokens = int(options.get("max_new_tokens", ANSWER_TOKENS))
+        tokens = _kept_number(options, "max_new_tokens", ANSWER_TOKENS, whole=True)
         if not 1 <= tokens <= MAX_ANSWER_TOKENS:  # (the box would show another, and one below 1 answers 1 token)
             raise ValueError(f"max_new_tokens {tokens} is not a length of 1 to {MAX_ANSWER_TOKENS} tokens")
         # settings saved before the length followed the model hold it, chosen or not: the old default was not chosen
-        self.max_tokens.choose(tokens if options.get("max_new_tokens_chosen", tokens != ANSWER_TOKENS) else None)
+        chosen = options.get("max_new_tokens_chosen", tokens != ANSWER_TOKENS)
+        if type(chosen) is not bool:
+            raise TypeError(f"max_new_tokens_chosen {json.dumps(chosen)} is not true or false")
+        reasoning = options.get("reasoning")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise TypeError(f"reasoning {json.dumps(reasoning)} is not a reasoning value or null")
+        self.max_tokens.choose(tokens if chosen else None)
         for key, box, default in (("temperature", self.temperature, 0.0), ("top_k", self.top_k, 0),
                                   ("top_p", self.top_p, 1.0), ("repetition_penalty", self.repetition, 1.0),
                                   ("seed", self.seed, -1)):
-            value = options.get(key, default)
-            number = float(value) if isinstance(box, QDoubleSpinBox) else int(value)
+            value = _kept_number(options, key, default, whole=isinstance(box, QSpinBox))
+            number = float(value) if isinstance(box, QDoubleSpinBox) else value
             # a box holds its nearest without a word (NaN its least), and a QSpinBox raises past 32 bits
             if not box.minimum() <= number <= box.maximum():
                 raise ValueError(f"{key} {json.dumps(value)} is not within {_number(box.minimum())} to "
                                  f"{_number(box.maximum())}")
             box.setValue(number)
         self.stops.setText("|".join(stops))
-        self._wanted_reasoning = options.get("reasoning")
+        self._wanted_reasoning = reasoning
         self._select_reasoning()
 
     def set_reasoning_choices(self, choices: list[str]) -> None:
