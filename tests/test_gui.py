@@ -310,7 +310,11 @@ UNUSABLE_BUDGETS = [
     ("{not json", "not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
     ('{"path": "m", "budget": ["cuda"]}', "no budget object in it"),
     ('{"path": "m", "budget": {"device": "cuda"}}', 'device "cuda" is not {"kind": cpu, simulated or cuda}'),
-    ('{"path": "m", "budget": {"kv_tokens": "lots"}}', 'kv_tokens "lots" is not a whole number of tokens'),
+    ('{"path": "m", "budget": {"kv_tokens": "lots"}}',
+     'kv_tokens "lots" is not a whole number of tokens from 1 to 2147483647'),
+    # (raised OverflowError from the box as the model opened)
+    ('{"path": "m", "budget": {"kv_tokens": 1099511627776}}',
+     "kv_tokens 1099511627776 is not a whole number of tokens from 1 to 2147483647"),
     ('{"path": "m", "budget": {"entries": {"session.moe.offload.device_expert_bytes": "-5"}}}',
      "session.moe.offload.device_expert_bytes='-5': expected an integer >= 0, in digits only"),
 ]

@@ -769,8 +769,9 @@ def kept_settings_problem(settings) -> str:
     if capacity is not None and (type(capacity) is not int or capacity < 1):
         return f"device capacity {json.dumps(capacity)} is not a byte count"
     kv_tokens = settings.get("kv_tokens")
-    if kv_tokens is not None and (type(kv_tokens) is not int or kv_tokens < 1):
-        return f"kv_tokens {json.dumps(kv_tokens)} is not a whole number of tokens"
+    # (one past the model's longest sequence is that: the cache never grows past it; past 32 bits the box raises)
+    if kv_tokens is not None and (type(kv_tokens) is not int or not 1 <= kv_tokens <= INT32_MAX):
+        return f"kv_tokens {json.dumps(kv_tokens)} is not a whole number of tokens from 1 to {INT32_MAX}"
     for name, choices in (("layer_split", SPLITS), ("decode_path", PATHS)):
         value = settings.get(name, "auto")
         if value not in dict(choices):
