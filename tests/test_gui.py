@@ -306,6 +306,39 @@ def test_a_settings_file_holding_no_length_that_fits_leaves_the_length_to_the_mo
     win.close()
 
 
+def test_other_kept_settings_that_do_not_fit_are_said_and_kept_aside(qtbot, tmp_path):
+    """A hand-edited answer length, answers choice, sweep repeats or theme that did not fit became the default without
+    a word, and the next save wrote over it. Each is now said, on a line of its own, and kept under a key of its own."""
+    from engine.records.lengths import SWEEP_REPEATS
+
+    ini = str(tmp_path / "settings.ini")
+    settings = QSettings(ini, QSettings.Format.IniFormat)
+    kept = {"view/theme": "purple", "record/max_new_tokens": "lots", "sweep/max_new_tokens": "9999999",
+            "sweep/answers": "beams", "sweep/repeats": "99999999999999999999"}
+    for key, raw in kept.items():
+        settings.setValue(key, raw)
+    settings.sync()
+    win = make_window(qtbot, tmp_path, nvml=False)
+    assert win.settings_banner.text().split("\n") == [
+        f"{ini}: the theme kept under view/theme cannot be used (purple is not system, light or dark): the system's "
+        "is used; what was kept is now under view/theme.bad there",
+        f"{ini}: the answer length kept under record/max_new_tokens cannot be used (lots is not a length of 1 to "
+        f"{MAX_ANSWER_TOKENS} tokens, or null): its default is used; what was kept is now under "
+        "record/max_new_tokens.bad there",
+        f"{ini}: the answer length kept under sweep/max_new_tokens cannot be used (9999999 is not a length of 1 to "
+        f"{MAX_ANSWER_TOKENS} tokens, or null): its default is used; what was kept is now under "
+        "sweep/max_new_tokens.bad there",
+        f"{ini}: the answers choice kept under sweep/answers cannot be used (beams is not one of greedy, model, "
+        "chat): greedy is used; what was kept is now under sweep/answers.bad there",
+        f"{ini}: the sweep's repeats kept under sweep/repeats cannot be used (99999999999999999999 is not a count of "
+        f"1 to 9): its default, {SWEEP_REPEATS}, is used; what was kept is now under sweep/repeats.bad there"]
+    assert win.theme_choice == "system" and win.scenarios.max_tokens.chosen is None
+    assert win.sweep.answers.currentData() == "greedy" and win.sweep.repeats.value() == SWEEP_REPEATS
+    win.close()
+    settings = QSettings(ini, QSettings.Format.IniFormat)
+    assert {key: settings.value(key + ".bad") for key in kept} == kept
+
+
 UNUSABLE_BUDGETS = [
     ("{not json", "not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
     ('{"path": "m", "budget": ["cuda"]}', "no budget object in it"),

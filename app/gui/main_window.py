@@ -65,20 +65,26 @@ def settings_from_env() -> QSettings:
 
 
 def saved_length(raw) -> int | None:
-    """An answer length the settings keep: the user's, or None (the box's own: the model's, the sweep's) where none,
-    or none that fits, is kept (a hand-edited or older settings file)."""
+    """An answer length the settings keep: the user's, or None (the box's own: the model's, the sweep's) where none is
+    kept; ValueError says one that does not fit (a hand-edited or older settings file)."""
     try:
         tokens = json.loads(raw) if raw else None
     except (ValueError, TypeError):
-        return None
-    return tokens if type(tokens) is int and 1 <= tokens <= MAX_ANSWER_TOKENS else None
+        tokens = raw
+    if tokens is not None and (type(tokens) is not int or not 1 <= tokens <= MAX_ANSWER_TOKENS):
+        raise ValueError(f"{raw} is not a length of 1 to {MAX_ANSWER_TOKENS} tokens, or null")
+    return tokens
 
 
 def saved_repeats(raw) -> int:
-    """The sweep's repeats the settings keep, else the default (none kept, or none that fits: a hand-edited file)."""
-    text = "" if raw is None else str(raw).strip()
-    repeats = int(text) if text.isdigit() else 0
-    return repeats if 1 <= repeats <= REPEATS_MAX else SWEEP_REPEATS
+    """The sweep's repeats the settings keep, else the default where none is; ValueError says one that does not fit
+    (a hand-edited file)."""
+    if raw is None:
+        return SWEEP_REPEATS
+    text = str(raw).strip()
+    if not (text.isdigit() and 1 <= int(text) <= REPEATS_MAX):
+        raise ValueError(f"{raw} is not a count of 1 to {REPEATS_MAX}")
+    return int(text)
 
 
 def same_folder(a: str | None, b: str | None) -> bool:
@@ -379,9 +385,11 @@ class MainWindow(QMainWindow):
         state = s.value("window/state")
         if isinstance(state, QByteArray) and not state.isEmpty():
             self.restoreState(state, STATE_VERSION)
-        theme_choice = s.value("view/theme", "system")
-        # one the menu has no entry for (a hand-edited file) is what the menu then ticks: the system's
+        theme_choice = s.value("view/theme")
         self.theme_choice = theme_choice if theme_choice in ("system", "light", "dark") else "system"
+        if theme_choice is not None and theme_choice != self.theme_choice:  # one the menu has no entry for
+            self._refuse_kept("view/theme", "theme", f"{theme_choice} is not system, light or dark",
+                              "the system's is used")
         chat = s.value("chat/options")
         if chat:
             try:
@@ -403,10 +411,27 @@ class MainWindow(QMainWindow):
                                     f"{self._set_aside('chat/options', chat)} there")
         self.chat.system_prompt.setPlainText(str(s.value("chat/system_prompt", "")))
         for key, box in self.answer_lengths.items():
-            box.choose(saved_length(s.value(f"{key}/max_new_tokens")))
+            try:
+                box.choose(saved_length(s.value(f"{key}/max_new_tokens")))
+            except ValueError as exc:
+                self._refuse_kept(f"{key}/max_new_tokens", "answer length", str(exc), "its default is used")
         for key, choice in self.answer_choices.items():
-            choice.setCurrentIndex(max(0, choice.findData(s.value(f"{key}/answers"))))
-        self.sweep.repeats.setValue(saved_repeats(s.value("sweep/repeats")))
+            answers = s.value(f"{key}/answers")
+            choice.setCurrentIndex(max(0, choice.findData(answers)))
+            if answers is not None and choice.currentData() != answers:
+                known = ", ".join(str(choice.itemData(i)) for i in range(choice.count()))
+                self._refuse_kept(f"{key}/answers", "answers choice", f"{answers} is not one of {known}",
+                                  f"{choice.currentData()} is used")
+        try:
+            self.sweep.repeats.setValue(saved_repeats(s.value("sweep/repeats")))
+        except ValueError as exc:
+            self._refuse_kept("sweep/repeats", "sweep's repeats", str(exc), f"its default, {SWEEP_REPEATS}, is used")
+
+    def _refuse_kept(self, key: str, what: str, problem: str, instead: str) -> None:
+        """Say a kept value that cannot be used, and move it aside so that the next save does not write over it."""
+        self._warn_settings(f"{self.settings.fileName()}: the {what} kept under {key} cannot be used ({problem}): "
+                            f"{instead}; what was kept is now under {self._set_aside(key, self.settings.value(key))} "
+                            "there")
 
     def save_settings(self) -> None:
         s = self.settings
