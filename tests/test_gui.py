@@ -339,6 +339,22 @@ def test_other_kept_settings_that_do_not_fit_are_said_and_kept_aside(qtbot, tmp_
     assert {key: settings.value(key + ".bad") for key in kept} == kept
 
 
+def test_a_hand_edited_system_prompt_qt_reads_as_a_list_is_said_not_sent(qtbot, tmp_path):
+    """Qt reads a settings file's unquoted value with a comma as a list of texts: a system prompt written in by hand as
+    Be brief, be kind became the prompt "['Be brief', 'be kind']", sent to the model without a word. It is now said
+    and kept aside, and the chat starts with no system prompt."""
+    ini = tmp_path / "settings.ini"
+    ini.write_text("[chat]\nsystem_prompt=Be brief, be kind\n")
+    win = make_window(qtbot, tmp_path, nvml=False)
+    assert win.settings_banner.text() == (
+        f"{ini}: the system prompt kept under chat/system_prompt cannot be used (['Be brief', 'be kind'] is not a "
+        "text: in the file, one with a comma needs quotes): the chat starts with none; what was kept is now under "
+        "chat/system_prompt.bad there")
+    assert win.chat.system_prompt.toPlainText() == ""
+    win.close()
+    assert QSettings(str(ini), QSettings.Format.IniFormat).value("chat/system_prompt.bad") == ["Be brief", "be kind"]
+
+
 UNUSABLE_BUDGETS = [
     ("{not json", "not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
     ('{"path": "m", "budget": ["cuda"]}', "no budget object in it"),

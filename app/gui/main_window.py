@@ -409,7 +409,12 @@ class MainWindow(QMainWindow):
                 self._warn_settings(f"{s.fileName()}: the chat options kept under chat/options cannot be used "
                                     f"({problem}): the chat starts from its defaults; what was kept is now under "
                                     f"{self._set_aside('chat/options', chat)} there")
-        self.chat.system_prompt.setPlainText(str(s.value("chat/system_prompt", "")))
+        prompt = s.value("chat/system_prompt", "")
+        if isinstance(prompt, str):
+            self.chat.system_prompt.setPlainText(prompt)
+        else:  # Qt reads a hand-edited value with a comma and no quotes as a list of texts
+            self._refuse_kept("chat/system_prompt", "system prompt", f"{prompt} is not a text: in the file, one with a "
+                              "comma needs quotes", "the chat starts with none")
         for key, box in self.answer_lengths.items():
             try:
                 box.choose(saved_length(s.value(f"{key}/max_new_tokens")))
