@@ -766,8 +766,8 @@ def kept_settings_problem(settings) -> str:
     if not isinstance(device, dict) or device.get("kind", "cpu") not in dict(DEVICES):
         return f'device {json.dumps(device)} is not {{"kind": cpu, simulated or cuda}}'
     capacity = device.get("capacity")
-    if capacity is not None and (type(capacity) is not int or capacity < 1):
-        return f"device capacity {json.dumps(capacity)} is not a byte count"
+    if capacity is not None and (type(capacity) is not int or capacity < SIMULATED_MIN):  # as Simulated GPU refuses
+        return f"device capacity {json.dumps(capacity)} is not a byte count of at least {SIMULATED_MIN}"
     kv_tokens = settings.get("kv_tokens")
     # (one past the model's longest sequence is that: the cache never grows past it; past 32 bits the box raises)
     if kv_tokens is not None and (type(kv_tokens) is not int or not 1 <= kv_tokens <= INT32_MAX):
