@@ -361,6 +361,10 @@ UNUSABLE_BUDGETS = [
     ('{"path": "m", "budget": {"device": "cuda"}}', 'device "cuda" is not {"kind": cpu, simulated or cuda}'),
     ('{"path": "m", "budget": {"kv_tokens": "lots"}}',
      'kv_tokens "lots" is not a whole number of tokens from 1 to 2147483647'),
+    # (raised TypeError, unhashable, as the model opened)
+    ('{"path": "m", "budget": {"device": {"kind": ["cuda"]}}}',
+     'device {"kind": ["cuda"]} is not {"kind": cpu, simulated or cuda}'),
+    ('{"path": "m", "budget": {"layer_split": {"whole": 1}}}', 'layer_split {"whole": 1} is not one of auto, spread, whole'),
     # (the Budgets panel took a simulated GPU of 5 B, which typed there is refused)
     ('{"path": "m", "budget": {"device": {"kind": "simulated", "capacity": 5}}}',
      "device capacity 5 is not a byte count of at least 1048576"),

@@ -763,7 +763,7 @@ def kept_settings_problem(settings) -> str:
     if not isinstance(settings, dict):
         return "no budget object in it"
     device = settings.get("device", {})
-    if not isinstance(device, dict) or device.get("kind", "cpu") not in dict(DEVICES):
+    if not isinstance(device, dict) or not _one_of(device.get("kind", "cpu"), DEVICES):
         return f'device {json.dumps(device)} is not {{"kind": cpu, simulated or cuda}}'
     capacity = device.get("capacity")
     if capacity is not None and (type(capacity) is not int or capacity < SIMULATED_MIN):  # as Simulated GPU refuses
@@ -774,12 +774,17 @@ def kept_settings_problem(settings) -> str:
         return f"kv_tokens {json.dumps(kv_tokens)} is not a whole number of tokens from 1 to {INT32_MAX}"
     for name, choices in (("layer_split", SPLITS), ("decode_path", PATHS)):
         value = settings.get(name, "auto")
-        if value not in dict(choices):
+        if not _one_of(value, choices):
             return f"{name} {json.dumps(value)} is not one of {', '.join(dict(choices))}"
     entries = settings.get("entries", {})
     if not isinstance(entries, dict):
         return "entries is not an object of offload keys"
     return _entries_problem(entries)
+
+
+def _one_of(value, choices) -> bool:
+    """Whether a kept value is one of the choices' keys (a list or object, unhashable, would raise TypeError there)."""
+    return isinstance(value, str) and value in dict(choices)
 
 
 def _entries_problem(entries: dict) -> str:
