@@ -355,6 +355,34 @@ def test_a_hand_edited_system_prompt_qt_reads_as_a_list_is_said_not_sent(qtbot, 
     assert QSettings(str(ini), QSettings.Format.IniFormat).value("chat/system_prompt.bad") == ["Be brief", "be kind"]
 
 
+def test_hand_edited_json_settings_qt_reads_as_lists_are_said_with_the_hint_and_kept_as_read(qtbot, tmp_path):
+    """Qt reads a settings file's unquoted value with a comma as a list of texts, dropping the quotes in it: chat
+    options, recent models or a model's budgets written in by hand as JSON were refused as "not JSON: the JSON object
+    must be str, bytes or bytearray, not list", which says nothing of the file. Each now gives the system prompt's
+    hint, and what Qt read is kept aside as read."""
+    ini = tmp_path / "settings.ini"
+    key = MainWindow._model_key("/m")
+    ini.write_text('[General]\nrecent=["/a", "/b"]\n[chat]\noptions={"temperature": 0.7, "top_k": 40}\n'
+                   f'[models]\n{key.split("/")[1]}={{"path": "/m", "budget": {{}}}}\n')
+    win = make_window(qtbot, tmp_path, nvml=False)
+    assert win.model_settings("/m") is None
+    assert win.settings_banner.text().split("\n") == [
+        f"{ini}: the chat options kept under chat/options cannot be used (['{{temperature: 0.7', 'top_k: 40}}'] is "
+        "not a text: in the file, one with a comma needs quotes): the chat starts from its defaults; what was kept is "
+        "now under chat/options.bad there",
+        f"{ini}: the recent models kept under recent cannot be used (['[/a', '/b]'] is not a text: in the file, one "
+        "with a comma needs quotes): Open recent starts empty; what was kept is now under recent.bad there",
+        f"{ini}: the budgets kept for /m cannot be used (['{{path: /m', 'budget: {{}}}}'] is not a text: in the file, "
+        f"one with a comma needs quotes): the Budgets panel shows the defaults; what was kept is now under {key}.bad "
+        "there"]
+    assert win.chat.options()["temperature"] == 0.0 and win.chat.options()["top_k"] == 0
+    win.close()
+    settings = QSettings(str(ini), QSettings.Format.IniFormat)
+    assert [settings.value(k + ".bad") for k in ("chat/options", "recent", key)] == [
+        ["{temperature: 0.7", "top_k: 40}"], ["[/a", "/b]"], ["{path: /m", "budget: {}}"]]
+    assert "options.bad={temperature: 0.7, top_k: 40}\n" in ini.read_text()  # the line as it was, less its quotes
+
+
 UNUSABLE_BUDGETS = [
     ("{not json", "not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
     ('{"path": "m", "budget": ["cuda"]}', "no budget object in it"),

@@ -76,6 +76,22 @@ def saved_length(raw) -> int | None:
     return tokens
 
 
+def not_a_text(value) -> str:
+    """Why a kept value Qt did not read as a text cannot be used: Qt reads a hand-edited value with a comma and no
+    quotes as a list of texts (and drops the quotes in it)."""
+    return f"{value} is not a text: in the file, one with a comma needs quotes"
+
+
+def kept_json(raw):
+    """What a JSON text the settings keep holds; ValueError says why it cannot be read (a hand-edited file)."""
+    if not isinstance(raw, str):
+        raise ValueError(not_a_text(raw))
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+
+
 def saved_repeats(raw) -> int:
     """The sweep's repeats the settings keep, else the default where none is; ValueError says one that does not fit
     (a hand-edited file)."""
@@ -393,9 +409,9 @@ class MainWindow(QMainWindow):
         chat = s.value("chat/options")
         if chat:
             try:
-                options = json.loads(chat)
-            except (ValueError, TypeError) as exc:
-                problem = f"not JSON: {exc}"
+                options = kept_json(chat)
+            except ValueError as exc:
+                problem = str(exc)
             else:
                 try:
                     if not isinstance(options, dict):
@@ -412,9 +428,8 @@ class MainWindow(QMainWindow):
         prompt = s.value("chat/system_prompt", "")
         if isinstance(prompt, str):
             self.chat.system_prompt.setPlainText(prompt)
-        else:  # Qt reads a hand-edited value with a comma and no quotes as a list of texts
-            self._refuse_kept("chat/system_prompt", "system prompt", f"{prompt} is not a text: in the file, one with a "
-                              "comma needs quotes", "the chat starts with none")
+        else:
+            self._refuse_kept("chat/system_prompt", "system prompt", not_a_text(prompt), "the chat starts with none")
         for key, box in self.answer_lengths.items():
             try:
                 box.choose(saved_length(s.value(f"{key}/max_new_tokens")))
@@ -464,9 +479,9 @@ class MainWindow(QMainWindow):
         if not raw:
             return None
         try:
-            kept = json.loads(raw)
-        except (ValueError, TypeError) as exc:
-            problem = f"not JSON: {exc}"
+            kept = kept_json(raw)
+        except ValueError as exc:
+            problem = str(exc)
         else:
             budget = kept.get("budget") if isinstance(kept, dict) else None
             problem = kept_settings_problem(budget)
@@ -510,9 +525,9 @@ class MainWindow(QMainWindow):
         if raw is None:
             return []
         try:
-            paths = json.loads(raw)
-        except (ValueError, TypeError) as exc:
-            problem = f"not JSON: {exc}"
+            paths = kept_json(raw)
+        except ValueError as exc:
+            problem = str(exc)
         else:
             if isinstance(paths, list) and all(isinstance(p, str) for p in paths):
                 return paths
