@@ -1185,7 +1185,7 @@ def _cmd_contention(args) -> int:
     from engine.errors import ConversationFullError, PromptError
     from engine.generation import GenerationParams, LoadedModel
     from engine.records.contention import corpus_problem, default_corpus, run_contention
-    from engine.records.scenarios import run_scenario, scenario_answer_tokens, turns_past_the_context
+    from engine.records.scenarios import run_scenario, scenario_answer_tokens, scenario_turns, turns_past_the_context
     from engine.records.schema import generation_settings
 
     corpus = Path(args.corpus) if args.corpus else default_corpus()  # checked before the model loads (minutes)
@@ -1201,6 +1201,8 @@ def _cmd_contention(args) -> int:
     _warn_after_load(args, model)
     params = GenerationParams(max_new_tokens=args.max_new_tokens or scenario_answer_tokens(model, args.scenario),
                               sampling=sampling)
+    # the long input on a short context refused as record refuses it, not after the warm-up's indexing (minutes)
+    scenario_turns(args.scenario, model.tokenizer, model.config, params.max_new_tokens)
 
     def inference() -> float:
         try:

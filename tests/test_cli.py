@@ -1016,6 +1016,23 @@ def test_contention_multiturn_past_the_context_does_not_say_to_start_a_new_conve
         r"room\)", err.splitlines()[-1]), err
 
 
+def test_contention_refuses_the_long_input_on_a_short_context_before_any_indexing(tmp_path, capsys, monkeypatch):
+    """On gptoss's 2,048-token context the long input leaves no room for 60-token answers: contention refused it only
+    at its first inference, after the warm-up had indexed the whole corpus (minutes on the default one). It is refused
+    before any indexing, in record's words."""
+    import engine.records.contention as contention
+    from engine.records.contention import make_corpus
+
+    indexed = []
+    monkeypatch.setattr(contention, "index_folder", lambda folder, workers: indexed.append(folder) or (1, 0.1))
+    corpus = make_corpus(tmp_path / "corpus", files=2, words_per_file=30)
+    status, _out, err = _main(capsys, "contention", str(fixture_folder("gptoss")), "--corpus", str(corpus),
+                              "--workers", "1", "--scenario", "long", "--max-new-tokens", "60")
+    assert status == 2 and err.splitlines()[-1] == (
+        "moe-workbench: error: the long-input scenario needs a context of at least 2060 tokens; the model has 2048")
+    assert indexed == []
+
+
 def test_a_sweep_saved_under_a_layer_split_and_decode_path_keeps_them_for_config(tmp_path, capsys, monkeypatch):
     """A sweep run with --layer-split spread --decode-path cpu saves both beside the entries (a configuration held
     onnxruntime's keys only, so --config ran it with both measured anew, not as swept); --config sets them where

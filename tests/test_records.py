@@ -1230,7 +1230,7 @@ def test_the_contention_job_names_the_phase_that_runs(tmp_path, monkeypatch):
                         or SimpleNamespace(timings={"completion_s": 0.1}))
     corpus = make_corpus(tmp_path / "corpus", files=2, words_per_file=10)
     model = SimpleNamespace(decoder=SimpleNamespace(kernel_threads=SimpleNamespace(state=lambda: None)),
-                            folder=SimpleNamespace(folder=tmp_path / "model"))
+                            folder=SimpleNamespace(folder=tmp_path / "model"), tokenizer=None, config=None)
     ctx = jobs.JobContext(model, None, {}, threading.Event(), lambda fraction, text: shown.__setitem__(0, text),
                           lambda batch: None, None)
     jobs.ContentionJob(str(corpus), workers=1, max_new_tokens=4)(ctx)
@@ -1241,13 +1241,41 @@ def test_the_contention_job_names_the_phase_that_runs(tmp_path, monkeypatch):
     assert shown[0] == "done"
 
 
+def test_the_contention_job_refuses_the_long_input_on_a_short_context_before_any_indexing(tmp_path, monkeypatch):
+    """The long scenario on a 2,048-token context with 60-token answers was refused only at the first inference,
+    after the warm-up had indexed the whole corpus (minutes on the default one); it is refused first, in Record's
+    words."""
+    import app.gui.records_jobs as jobs
+    import engine.records.contention as contention
+    from engine.errors import PromptError
+    from engine.records.scenarios import scenario_turns
+
+    indexed, shown = [], []
+    monkeypatch.setattr(contention, "index_folder", lambda folder, workers: indexed.append(folder) or (1, 0.1))
+    # a run refuses its turns first, as run_scenario does
+    monkeypatch.setattr(jobs, "run_scenario", lambda model, name, params, *args, **kwargs: scenario_turns(
+        name, model.tokenizer, model.config, params.max_new_tokens))
+    corpus = make_corpus(tmp_path / "corpus", files=2, words_per_file=10)
+    model = SimpleNamespace(decoder=SimpleNamespace(kernel_threads=SimpleNamespace(state=lambda: None)),
+                            folder=SimpleNamespace(folder=tmp_path / "model"), tokenizer=None,
+                            config=SimpleNamespace(context_length=2048, search=SimpleNamespace(max_length=2048)))
+    ctx = jobs.JobContext(model, None, {}, threading.Event(), lambda fraction, text: shown.append(text),
+                          lambda batch: None, None)
+    with pytest.raises(PromptError) as refused:
+        jobs.ContentionJob(str(corpus), workers=1, scenario="long", max_new_tokens=60)(ctx)
+    assert str(refused.value) == ("long: the long-input scenario needs a context of at least 2060 tokens; the model "
+                                  "has 2048")
+    assert indexed == [] and shown == []
+
+
 def test_the_contention_job_says_a_missing_corpus_folder_is_missing(tmp_path):
     """A corpus folder typed wrong was 'no .txt files to index', as if it were there and empty (the command line says
     'no such folder')."""
     import app.gui.records_jobs as jobs
     from engine.errors import WorkbenchError
 
-    model = SimpleNamespace(decoder=SimpleNamespace(kernel_threads=SimpleNamespace(state=lambda: None)))
+    model = SimpleNamespace(decoder=SimpleNamespace(kernel_threads=SimpleNamespace(state=lambda: None)), tokenizer=None,
+                            config=None)
     ctx = jobs.JobContext(model, None, {}, threading.Event(), lambda fraction, text: None, lambda batch: None, None)
     with pytest.raises(WorkbenchError) as missing:
         jobs.ContentionJob(str(tmp_path / "typo"), workers=1, max_new_tokens=4)(ctx)
@@ -1264,7 +1292,8 @@ def test_a_contention_corpus_given_as_a_file_is_called_a_file_not_a_missing_fold
 
     notes = tmp_path / "notes.txt"
     notes.write_text("hello\n")
-    model = SimpleNamespace(decoder=SimpleNamespace(kernel_threads=SimpleNamespace(state=lambda: None)))
+    model = SimpleNamespace(decoder=SimpleNamespace(kernel_threads=SimpleNamespace(state=lambda: None)), tokenizer=None,
+                            config=None)
     ctx = jobs.JobContext(model, None, {}, threading.Event(), lambda fraction, text: None, lambda batch: None, None)
     with pytest.raises(WorkbenchError) as refused:
         jobs.ContentionJob(str(notes), workers=1, max_new_tokens=4)(ctx)

@@ -21,7 +21,8 @@ from engine.records.contention import (ContentionCancelled, ContentionReport, co
                                        phase_after, run_contention)
 from engine.records.history import History
 from engine.records.lengths import SWEEP_REPEATS
-from engine.records.scenarios import SCENARIOS, run_scenario, scenario_answer_tokens, turns_past_the_context
+from engine.records.scenarios import (SCENARIOS, run_scenario, scenario_answer_tokens, scenario_turns,
+                                      turns_past_the_context)
 from engine.records.schema import RunRecord, generation_settings
 from engine.units import counted, human_bytes
 from engine.records.side_by_side import Comparison, Side, compare
@@ -516,6 +517,10 @@ class ContentionJob:
         if self.workers < 1:
             raise WorkbenchError(f"the indexing needs at least 1 worker process, got {self.workers}")
         params = scenario_params(model, self.scenario, self.max_new_tokens)
+        try:  # the long input on a short context, in Record's words, before the corpus is made and indexed (minutes)
+            scenario_turns(self.scenario, model.tokenizer, model.config, params.max_new_tokens)
+        except PromptError as exc:
+            raise PromptError(f"{self.scenario}: {exc}") from None
         ctx.progress(0.0, "preparing the corpus" if not self.corpus else phase_after(0.0))
         corpus = Path(self.corpus).expanduser() if self.corpus else default_corpus()
         problem = corpus_problem(corpus)
