@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -834,6 +835,56 @@ def test_a_sweep_plot_qt_could_not_write_is_an_error_not_an_earlier_file_left_as
     assert re.fullmatch(f"moe-workbench: error: --plot {re.escape(str(plot))}: not written \\((Permission denied|"
                         "Input/output error)\\); the sweep completed: its points and recommendation are printed and "
                         "its runs saved in the history", result.stderr.splitlines()[-1])
+
+
+# `sweep ARGS` with the data file of the model folder (argv[1]) cut short as the sweep saves its CUT_AFTER'th point
+CUT_SWEEP = """
+import os, sys
+from pathlib import Path
+from app.cli import main
+from engine.records.history import History
+data, add_all, saved = Path(sys.argv[1]) / "model.onnx.data", History.add_all, []
+
+def add_all_then_cut(history, records, ids):
+    add_all(history, records, ids)
+    saved.append(records)
+    if len(saved) == int(os.environ["CUT_AFTER"]):
+        data.write_bytes(data.read_bytes()[:4096])
+
+History.add_all = add_all_then_cut
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_a_both_splits_sweep_on_a_data_file_truncated_after_a_whole_layers_point_keeps_its_points(copy_fixture,
+                                                                                                   tmp_path):
+    """Truncated after a point on whole layers, the data file refused the next point's re-plan, and then the re-plan
+    that put the model's own layer split back: that error replaced the point's, and the sweep said it failed "before
+    the first point". One that had run every point failed likewise, its recommendation lost. The point's failure is
+    said (the process ends: the split needs no putting back), and a sweep that completed is complete."""
+    folder = copy_fixture("gptoss")
+    data = folder / "model.onnx.data"
+    cut = (f"{data}: truncated since the model was loaded: it has 4096 bytes of the {data.stat().st_size} its "
+           "initializers take; load the model again")
+
+    def sweep(cut_after: int, *args: str) -> subprocess.CompletedProcess:
+        shutil.copyfile(fixture_folder("gptoss") / "model.onnx.data", data)
+        return subprocess.run([sys.executable, "-c", CUT_SWEEP, str(folder), "sweep", str(folder), "--device",
+                               "simulated", "--points", "3", "--both-splits", "--max-new-tokens", "2", "--repeats",
+                               "1", "--history", str(tmp_path / f"h{cut_after}.sqlite"), *args], cwd=REPO,
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "CUT_AFTER": str(cut_after)})
+
+    result = sweep(3)  # 0% spread, 50% spread, 50% whole; then 100% spread
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert [line.split()[3] for line in result.stdout.splitlines()[2:]] == ["spread", "spread", "whole"]
+    assert result.stderr.splitlines()[-1] == (
+        "moe-workbench: error: the sweep failed at budget share 100% spread (device_expert_bytes=565248), point 4 of "
+        f"4: {cut}; the 3 points before it are printed, their 3 runs saved in the history (ids 1 to 3); no "
+        "recommendation")
+    result = sweep(4, "--layer-split", "whole")  # every point run, the last spread
+    assert result.returncode == 0 and result.stdout.splitlines()[-1].endswith("<- recommended"), result.stderr
+    assert result.stderr.splitlines()[-1].startswith("recommended: 565248 bytes (budget share 100% spread)")
 
 
 def test_history_lists_labels_and_budgets_shows_runs_by_id_and_says_when_there_are_none(tmp_path, capsys):

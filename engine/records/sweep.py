@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from statistics import median
 
-from engine.errors import PromptError, WorkbenchError
+from engine.errors import ModelFileError, PromptError, WorkbenchError
 from engine.generation import GenerationParams, LoadedModel
 from engine.offload.layer_split import SPREAD, WHOLE
 from engine.offload.planner import BudgetAboveFree, all_resident_bytes, whole_layers_held
@@ -303,7 +303,8 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
     `progress(fraction)` after each scenario run; `on_text(token, delta)` streams every answer; `on_settle(fraction,
     split)` as a point starts its unrecorded decode (settle); `on_point(point)` as each point completes (the command
     line saves its runs then: an interrupted sweep keeps them). `splits` (e.g. ("spread", "whole")): the layer splits
-    to compare at each budget (sweep_plan); the model's own layer split is put back afterwards. Each point runs the
+    to compare at each budget (sweep_plan); the model's own layer split is put back afterwards (not where a data
+    file cut short since the load refuses that re-plan: the model stays at the last point's plan). Each point runs the
     scenarios `repeats` times, after an unrecorded warm-up answer at its budget (_run_point), and its times are the
     medians over the repeats.
 
@@ -363,7 +364,12 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
         return results
     finally:
         if model.offload.layer_split_mode != mode:
-            model.offload.set_layer_split(mode)
+            try:
+                model.offload.set_layer_split(mode)
+            except ModelFileError:
+                # a data file cut short since the load refused the re-plan: not in place of the point's failure, nor
+                # of a sweep that completed; the model stays at the last point's plan, which its next re-plan says
+                pass
 
 
 class SweepCancelled(WorkbenchError):
