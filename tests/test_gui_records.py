@@ -1769,6 +1769,33 @@ def test_a_sweep_whose_data_file_was_truncated_keeps_its_points_and_says_to_load
         "the model stays at the sweep's last budget", "282624"]
 
 
+def test_a_sweep_whose_budgets_the_device_cannot_take_back_keeps_its_points_and_says_so(tmp_path, monkeypatch):
+    """Putting the user's budgets back after the sweep can find the device short (another process took memory while
+    the sweep ran): only a data file's refusal was kept, and the DeviceMemoryError replaced the job's result, its
+    points and recommendation lost though their runs were saved. It is kept as the file's is: the model stays at the
+    sweep's last budget, and the result says why."""
+    from app.gui.records_jobs import SweepJob
+    from engine.offload.device_memory import DeviceMemoryError
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    original, reconfigure = model.offload.config, model.offload.reconfigure
+    short = ("device allocation of 565248 bytes for expert slots would exceed the device's memory (1073700000 of "
+             "1073741824 bytes in use)")
+
+    def refuse_the_restore(config, **kwargs):
+        if config == original and not kwargs:
+            raise DeviceMemoryError(short)
+        reconfigure(config, **kwargs)
+
+    monkeypatch.setattr(model.offload, "reconfigure", refuse_the_restore)
+    result = SweepJob(2, ["short"], 1, history_path=str(tmp_path / "h.sqlite"), repeats=1)(
+        _sweep_context(model, device, []))
+    assert (len(result.points), result.saved_ids, result.failure) == (2, [1, 2], "")
+    assert result.budgets_back == f"the model stays at the sweep's last budget: {short}"
+    assert model.offload.plan.budget_bytes == result.points[-1].budget_bytes
+
+
 def test_the_window_says_a_sweep_left_the_model_at_its_last_budget_once(qtbot, tmp_path):
     """A sweep whose data file was cut short since the load could not put the user's budgets back: the run line says the
     model stays at the sweep's last budget, with the truncation once (said already as the point's failure), and

@@ -249,8 +249,8 @@ class SweepResult:
     held_after: int = 0         # user's budgets back (less where the device has less free now)
     layer_split: str = "auto"   # the loaded model's layer split and decode path, which the points ran with (with
     decode_path: str = "auto"   # both splits, each point its own split)
-    not_restored: str = ""      # why the user's budgets could not be put back (a data file changed since the load:
-                                # its one line, which says to load the model again); "" where they were
+    not_restored: str = ""      # why the user's budgets could not be put back (a data file changed since the load,
+                                # whose line says to load the model again; the device short); "" where they were
 
     @property
     def budgets_back(self) -> str:
@@ -352,11 +352,13 @@ class SweepJob:
         except Exception as exc:  # run_sweep's note names the point; before the first, the warm-up failed
             where, failure = stopped_at(exc), one_line(exc, original.mode)
         finally:
+            # a re-plan refused on a data file cut short, or on a device with less free than the budgets need now
+            # (another process took some), leaves the model at the sweep's last budget: the points stay
             not_restored = ""
             try:
                 model.offload.reconfigure(original)  # the loaded model keeps the user's budgets
-            except ModelFileError as exc:  # the re-plan refused to read a data file cut short: the points stay
-                not_restored = one_line(exc)
+            except (ModelFileError, DeviceMemoryError) as exc:
+                not_restored = one_line(exc, original.mode)
         return SweepResult(points, planned[0], str(model.folder.folder), original.to_entries(), saved_ids=saved_ids,
                            length_note=reasoning_length_note(model.reasoning_answer_tokens, params.max_new_tokens),
                            stopped_at=where, failure=failure, left_out=left_out[0], skipped=skipped,
