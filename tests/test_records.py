@@ -1097,6 +1097,28 @@ def test_a_sweep_of_both_layer_splits_runs_whole_layers_where_the_budget_holds_s
     assert recommend([slow, fast], margin=0.5) is fast
 
 
+def test_a_sweep_whose_layer_split_the_device_cannot_take_back_returns_its_points(monkeypatch):
+    """Putting the model's own layer split back (whole layers here, after a last point spread) re-plans: the device
+    short of memory then (another process took some) raised from run_sweep's finally in place of the points, as a
+    failure with no point named ("before the first point"). The points are returned; the model stays at the last
+    point's plan, which the window's restore of the budgets says."""
+    from engine.offload.device_memory import DeviceMemoryError
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device, layer_split="whole")
+
+    def short(_mode):
+        raise DeviceMemoryError("device allocation of 282624 bytes for expert slots would exceed the device's memory "
+                                "(1073700000 of 1073741824 bytes in use)")
+
+    monkeypatch.setattr(model.offload, "set_layer_split", short)
+    points = run_sweep(model, device, 3, ["short"], GenerationParams(max_new_tokens=2), splits=("spread", "whole"),
+                       repeats=1)
+    assert [(p.fraction, p.split) for p in points] == [(0.0, "spread"), (0.5, "spread"), (0.5, "whole"),
+                                                       (1.0, "spread")]
+    assert model.offload.plan.budget_bytes == points[-1].budget_bytes
+
+
 def test_cli_record_sweep_history_contention(tmp_path, cli):
     """The sweeps in a process of their own: pyqtgraph's widgets that --plot makes crash a test process at exit."""
     from tests.test_bad_input import run_cli
