@@ -46,7 +46,6 @@ def test_ranges_cover_every_expert_tensor_once_in_chunks(folder, monkeypatch):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_READ is Linux's")
 def test_a_loaded_model_maps_its_experts_in_the_background(folder):
-    process = psutil.Process()
     model = LoadedModel.open(folder)
     assert model.prefault is not None and model.prefault.done.wait(30)
     assert model.prefault.supported  # Linux 5.14+

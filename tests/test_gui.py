@@ -180,27 +180,6 @@ def test_a_chat_length_the_settings_file_keeps_out_of_range_is_said_not_answered
     ('{"temperature": 99}', "temperature 99 is not within 0 to 5"),
     ('{"top_p": -3}', "top_p -3 is not within 0 to 1"),
     ('{"repetition_penalty": 0.1}', "repetition_penalty 0.1 is not within 0.5 to 3"),
-])
-def test_chat_options_the_settings_file_keeps_out_of_a_box_range_are_said_not_clamped(qtbot, tmp_path, kept, problem):
-    """A hand-edited chat seed or top-k past 32 bits raised OverflowError from the box, and the window did not open;
-    a temperature of 99 or NaN, a top-p of -3, became the box's nearest (NaN its least) without a word. Each is now
-    said, set aside, and the chat starts from its defaults."""
-    ini = str(tmp_path / "settings.ini")
-    settings = QSettings(ini, QSettings.Format.IniFormat)
-    settings.setValue("chat/options", kept)
-    settings.sync()
-    win = make_window(qtbot, tmp_path, nvml=False)
-    assert win.settings_banner.text() == (
-        f"{ini}: the chat options kept under chat/options cannot be used ({problem}): the chat starts from its "
-        "defaults; what was kept is now under chat/options.bad there")
-    options = win.chat.options()
-    assert (options["seed"], options["top_k"], options["temperature"], options["top_p"],
-            options["repetition_penalty"]) == (-1, 0, 0.0, 1.0, 1.0)
-    win.close()
-    assert QSettings(ini, QSettings.Format.IniFormat).value("chat/options.bad") == kept
-
-
-@pytest.mark.parametrize("kept, problem", [
     ('{"seed": 1e400}', "seed Infinity is not a whole number"),
     ('{"seed": 3.7}', "seed 3.7 is not a whole number"),
     ('{"top_k": true}', "top_k true is not a whole number"),
@@ -209,11 +188,13 @@ def test_chat_options_the_settings_file_keeps_out_of_a_box_range_are_said_not_cl
     ('{"max_new_tokens": 300, "max_new_tokens_chosen": "no"}', 'max_new_tokens_chosen "no" is not true or false'),
     ('{"reasoning": ["high"]}', 'reasoning ["high"] is not a reasoning value or null'),
 ])
-def test_chat_options_the_settings_file_keeps_of_the_wrong_kind_are_said_not_converted(qtbot, tmp_path, kept, problem):
-    """A chat seed of 1e400 in a hand-edited settings file raised OverflowError (int() of infinity) and the window did
-    not open; a seed of 3.7 became 3, a top-k of true 1, a length 5.5 the user's 5, "no" chose the length, and a
-    reasoning of ["high"] was dropped, all without a word. Each is now said, set aside, and the chat starts from its
-    defaults."""
+def test_chat_options_the_settings_file_keeps_out_of_range_or_of_the_wrong_kind_are_said(qtbot, tmp_path, kept,
+                                                                                          problem):
+    """Out of a box's range: a hand-edited chat seed or top-k past 32 bits raised OverflowError from the box, and the
+    window did not open; a temperature of 99 or NaN, a top-p of -3, became the box's nearest (NaN its least) without a
+    word. Of the wrong kind: a seed of 1e400 raised OverflowError (int() of infinity); a seed of 3.7 became 3, a top-k
+    of true 1, a length 5.5 the user's 5, "no" chose the length, and a reasoning of ["high"] was dropped, all without a
+    word. Each is now said and set aside, and the chat starts from its defaults."""
     ini = str(tmp_path / "settings.ini")
     settings = QSettings(ini, QSettings.Format.IniFormat)
     settings.setValue("chat/options", kept)
@@ -223,9 +204,10 @@ def test_chat_options_the_settings_file_keeps_of_the_wrong_kind_are_said_not_con
         f"{ini}: the chat options kept under chat/options cannot be used ({problem}): the chat starts from its "
         "defaults; what was kept is now under chat/options.bad there")
     options = win.chat.options()
-    assert (options["seed"], options["top_k"], options["temperature"], options["max_new_tokens_chosen"],
-            options["reasoning"]) == (-1, 0, 0.0, False, None)
+    assert (options["seed"], options["top_k"], options["temperature"], options["top_p"], options["repetition_penalty"],
+            options["max_new_tokens_chosen"], options["reasoning"]) == (-1, 0, 0.0, 1.0, 1.0, False, None)
     win.close()
+    assert QSettings(ini, QSettings.Format.IniFormat).value("chat/options.bad") == kept
 
 
 def test_the_answer_lengths_the_user_sets_outlive_the_window_and_unset_ones_follow_the_model(qtbot, tmp_path):
@@ -392,7 +374,8 @@ UNUSABLE_BUDGETS = [
     # (raised TypeError, unhashable, as the model opened)
     ('{"path": "m", "budget": {"device": {"kind": ["cuda"]}}}',
      'device {"kind": ["cuda"]} is not {"kind": cpu, simulated or cuda}'),
-    ('{"path": "m", "budget": {"layer_split": {"whole": 1}}}', 'layer_split {"whole": 1} is not one of auto, spread, whole'),
+    ('{"path": "m", "budget": {"layer_split": {"whole": 1}}}',
+     'layer_split {"whole": 1} is not one of auto, spread, whole'),
     # (the Budgets panel took a simulated GPU of 5 B, which typed there is refused)
     ('{"path": "m", "budget": {"device": {"kind": "simulated", "capacity": 5}}}',
      "device capacity 5 is not a byte count of at least 1048576"),
