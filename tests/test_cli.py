@@ -883,8 +883,11 @@ def test_a_both_splits_sweep_on_a_data_file_truncated_after_a_whole_layers_point
         f"4: {cut}; the 3 points before it are printed, their 3 runs saved in the history (ids 1 to 3); no "
         "recommendation")
     result = sweep(4, "--layer-split", "whole")  # every point run, the last spread
-    assert result.returncode == 0 and result.stdout.splitlines()[-1].endswith("<- recommended"), result.stderr
-    assert result.stderr.splitlines()[-1].startswith("recommended: 565248 bytes (budget share 100% spread)")
+    # (which point the timings recommend varies from run to run: that one is, and said, is what a completed sweep has)
+    rows = result.stdout.splitlines()[2:]
+    assert result.returncode == 0 and len(rows) == 4, result.stderr
+    assert [row.endswith("<- recommended") for row in rows].count(True) == 1, result.stdout
+    assert result.stderr.splitlines()[-1].startswith("recommended: "), result.stderr
 
 
 def test_history_lists_labels_and_budgets_shows_runs_by_id_and_says_when_there_are_none(tmp_path, capsys):
