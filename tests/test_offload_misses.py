@@ -701,6 +701,52 @@ def test_a_kept_cpu_cost_fit_follows_what_later_calls_of_one_size_cost():
     assert cheap.fixed_s == 0.0 and cheap.value == pytest.approx(90e9, rel=1e-6)
 
 
+# The H100 host's Qwen3-30B-A3B-like "both" parts at 50% resident (seventy-first session): calls of three and five
+# experts (bytes spread just past min_spread) at ~322 µs whatever their bytes, a line of 1301 GB/s + 322 µs a call
+# beside ~120 GB/s of streaming read
+FLAT_EXPERT = 2_500_000
+FLAT_CALLS = [(n * FLAT_EXPERT, 322e-6 + n * FLAT_EXPERT / 1301e9) for n in [3, 5] * 10]
+
+
+def observed(rate: CpuRate, calls) -> CpuRate:
+    for nbytes, seconds in calls:
+        rate.observe(nbytes, seconds)
+    return rate
+
+
+def test_a_cpu_cost_line_faster_than_the_ceiling_is_refused():
+    free = observed(CpuRate(), FLAT_CALLS)  # no ceiling: the line the engine reported
+    assert (free.value, free.fixed_s) == (pytest.approx(1301e9, rel=1e-6), pytest.approx(322e-6, rel=1e-6))
+    # a ceiling of twice the streaming read: the line is refused, the calls price misses at their average rate
+    capped = observed(CpuRate(ceiling=240e9), FLAT_CALLS)
+    assert capped._line() is None and capped.fixed_s == 0.0
+    assert capped.value == capped.average == pytest.approx(free.average) and 25e9 < capped.value < 35e9
+    # a line fitted before (the CPU path's calls of 1-8 experts, ~110 µs + bytes / 100 GB/s) keeps its slope through
+    # the flat calls, its fixed cost through their weighted mean (~10 MB in ~329.7 µs: ~230 µs at 100 GB/s)
+    kept = observed(CpuRate(ceiling=240e9), [(n * FLAT_EXPERT, 110e-6 + n * FLAT_EXPERT / 100e9)
+                                             for n in [1, 8, 3, 6, 2, 7, 4, 5] * 2])
+    assert kept.value == pytest.approx(100e9, rel=1e-6)
+    observed(kept, FLAT_CALLS * 20)  # the older calls decay away
+    assert kept._line() is None
+    assert (kept.value, kept.fixed_s) == (pytest.approx(100e9, rel=1e-6), pytest.approx(230e-6, rel=3e-3))
+    # sane lines below the ceiling still fit, cache-hot ones faster than the streaming read included; just past it: not
+    def line(per_s: float) -> CpuRate:
+        return observed(CpuRate(ceiling=240e9), [(n * FLAT_EXPERT, 150e-6 + n * FLAT_EXPERT / per_s)
+                                                 for n in [1, 8, 3, 6, 2, 7, 4, 5] * 2])
+    for per_s in (66e9, 200e9):
+        assert (line(per_s).value, line(per_s).fixed_s) == (pytest.approx(per_s, rel=1e-6), pytest.approx(150e-6))
+    past = line(250e9)
+    assert past.value == past.average and past.fixed_s == 0.0
+
+
+def test_the_engine_sets_no_cpu_rate_ceiling_on_the_simulated_device(model_folder):
+    # its bandwidths are assumed (here 1 MB/s of CPU), its CPU kernels' calls this machine's: the fit as without one
+    model, _device = open_model(model_folder, FAST_PCIE, measure_cpu_rate=True)
+    for rate in (model.offload.cpu_rate, model.offload.split_rate):
+        observed(rate, FLAT_CALLS)
+        assert rate.value == pytest.approx(1301e9, rel=1e-6)
+
+
 def test_a_cpu_cost_fit_stays_while_later_calls_of_one_size_give_none():
     # calls of 1-8 experts give the line (~180 µs + bytes / 66 GB/s); then calls of one expert each, as under
     # real-like routing with most experts resident, give none: the line stays, not the average rate, which would

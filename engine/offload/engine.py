@@ -160,6 +160,11 @@ SPLIT_RATE_SKIP = 3
 # the GPU; two let it catch up after a slower layer
 SETTLE_PER_LAYER = 2
 SETTLE_WAIT_S = 0.5  # settle_all_but's longest wait for the GPU before the step's last segment
+# The fastest rate of one more miss a CpuRate's line may give, in the host's streaming reads as the device measured
+# them at its opening (CpuRate.ceiling): cache-hot calls ran up to 1.4x cold ones (bench_cpu_scaling, RESULTS.md,
+# first and seventy-first sessions) and the streaming read moved by up to 1.45x between processes on one host (88-128
+# GB/s); a line past both is noise (1301 GB/s against ~120 streaming on the H100 host, seventy-first session)
+CPU_RATE_CEILING = 2.0
 
 
 class OffloadEngine(DenseLanding):
@@ -222,7 +227,7 @@ class OffloadEngine(DenseLanding):
         self.host_gap = HostGap(measured=not is_simulated(device))  # the host's work between "both" layers (ditto)
         # the CPU's parts of "both" steps (a few experts a call, beside the GPU's reads of the tier), for the split's
         # table: a regime of their own, apart from the CPU path's calls of every cold expert
-        self.split_rate = CpuRate()
+        self.split_rate = CpuRate(ceiling=self._cpu_rate_ceiling())
         self.split_gate = SpikeGate(self.split_rate)  # ... a step at a time, short slowdowns left out (spike_gate)
         # The last step's CPU parts not yet handed to the split's rate: the gate's end_step waits for the next settle()
         # (the next step's first layer is launched by then), since at a step's end the GPU idles. At Qwen3-30B-A3B-like
@@ -251,7 +256,8 @@ class OffloadEngine(DenseLanding):
             self.plan.statements.append(self.tier_statement)
         self._follow_path()
         self.streaming = self._plan_streaming(config)
-        self.cpu_rate = CpuRate()  # the CPU kernels' measured rate on decode misses, for the miss policy
+        # the CPU kernels' measured rate on decode misses, for the miss policy
+        self.cpu_rate = CpuRate(ceiling=self._cpu_rate_ceiling())
         self.copy_reuse = CopyReuse([info.spec.num_experts for info in self.infos])  # later hits copies earned
         # False: adaptive placement leaves no slot to copied misses (every slot wanted for a resident), from the next
         # weighing on; a benchmark switch (bench_offload_ab's engine.weigh_miss_slots=0), the weighing on by default
@@ -265,6 +271,14 @@ class OffloadEngine(DenseLanding):
         self.swap_allowance = SwapAllowance()
         self._apply_cpu_threads()
         self.stats.pinned = self.pinned_info()
+
+    def _cpu_rate_ceiling(self) -> float | None:
+        """The CPU rates' ceiling (CPU_RATE_CEILING) from the host's streaming read the device measured; None on the
+        simulated device, whose bandwidths are assumed while its CPU kernels' calls are this machine's (a test's
+        assumed 1 MB/s would refuse every line), and without a device: no ceiling, the fit's own checks alone."""
+        if self.device is None or is_simulated(self.device):
+            return None
+        return CPU_RATE_CEILING * self.device.bandwidths.cpu
 
     @property
     def host_tier(self) -> bool:

@@ -58,20 +58,26 @@ class CpuRate:
 
     The fit: least squares of seconds on bytes over the calls, each weighted `fit_keep` per later call. It is used
     once `min_calls` calls were seen with bytes spread enough (standard deviation >= `min_spread` of their mean)
-    and gives a positive slope and a fixed cost >= 0; until then (and with `fit` off) fixed_s is 0 and value the
-    average rate, an exponential average of bytes / seconds per call (weight `keep` on the past). value is None until
-    measured. The average alone read 28-43 GB/s on that Xeon against 98 GB/s of streaming bandwidth.
+    and gives a positive slope, a fixed cost >= 0 and a rate no higher than `ceiling` (bytes per second; None: no
+    ceiling); until then (and with `fit` off) fixed_s is 0 and value the average rate, an exponential average of
+    bytes / seconds per call (weight `keep` on the past). value is None until measured. The average alone read 28-43
+    GB/s on that Xeon against 98 GB/s of streaming bandwidth.
 
     A fit's slope, once made, stays (`keep_fit`) while later calls give none, until they give a new one; its fixed
     cost follows those calls (the line through their mean, _through_recent). Calls of one size
     (a token's one or two misses under real-like routing) give no line, and the average rate then prices every
     miss at a whole call, fixed cost included (19 GB/s on the H200 machine's Qwen3-30B-A3B-like calls of one
-    expert), which made the slot weighing leave every slot to copies (NOTES-overhead.md, twentieth session)."""
+    expert), which made the slot weighing leave every slot to copies (NOTES-overhead.md, twentieth session).
+
+    Bytes spread just past min_spread with noisy times can give a line that is nearly flat: 1301 GB/s + 322 µs a call
+    on the H100 host's Qwen3-30B-A3B-like calls at 50% resident, whose streaming read was ~120 GB/s (seventy-first
+    session), as if one more miss cost the CPU nothing. A slope faster than `ceiling` is such a line, not a rate: it
+    is refused as calls that give no line are (the kept slope or the average stays)."""
 
     def __init__(self, keep: float = 0.9, fit: bool = True, fit_keep: float = 0.98, min_calls: int = 8,
-                 min_spread: float = 0.2, keep_fit: bool = True):
+                 min_spread: float = 0.2, keep_fit: bool = True, ceiling: float | None = None):
         self.keep, self.fit, self.fit_keep, self.min_calls, self.min_spread = keep, fit, fit_keep, min_calls, min_spread
-        self.keep_fit = keep_fit
+        self.keep_fit, self.ceiling = keep_fit, ceiling
         self.average: float | None = None
         self._sums = [0.0] * 5  # weighted count, Σx, Σy, Σx², Σxy (x bytes, y seconds)
         self._calls = 0
@@ -120,7 +126,8 @@ class CpuRate:
             return None
         slope = (sxy / w - mean_x * mean_y) / var_x
         fixed = mean_y - slope * mean_x
-        return (fixed, slope) if slope > 0 and fixed >= 0 else None
+        faster = self.ceiling is not None and slope * self.ceiling < 1.0
+        return (fixed, slope) if slope > 0 and fixed >= 0 and not faster else None
 
     def _current(self) -> tuple[float, float] | None:
         if not self.fit:
