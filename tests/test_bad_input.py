@@ -814,6 +814,39 @@ def test_a_data_file_rewritten_in_place_at_its_size_after_the_load_is_refused_by
         model.folder.onnx.check_mapped_files()
 
 
+def test_a_data_file_truncated_during_an_answer_stops_it_before_the_next_step_reads_the_file(copy_fixture):
+    """The check an answer starts with came once: a data file cut short between two of its steps (the folder
+    rewritten during an answer) had the next step's kernels read past its end, which kills the process (SIGBUS). Each
+    step, the prefill included, checks the mapped files' sizes first: the answer stops with the refusal naming the
+    file, the step not run. (Cut short by a few bytes, its last page kept: a step run regardless reads no page past
+    the end, and this process lives to fail.)"""
+    from engine.errors import ModelFileError
+    from engine.generation import GenerationParams, LoadedModel, generate
+
+    folder = copy_fixture("gptoss")
+    data = folder / "model.onnx.data"
+    whole = data.read_bytes()
+    said = (rf"^{re.escape(str(data))}: truncated since the model was loaded: it has {len(whole) - 4} bytes of the "
+            rf"{len(whole)} its initializers take; load the model again$")
+    params = GenerationParams(max_new_tokens=8)
+
+    def cut_short(*_args) -> None:
+        os.truncate(data, len(whole) - 4)
+
+    model = LoadedModel.open(folder)
+    prompt = model.tokenizer.encode("The expert offload engine")
+    state, fed = model.new_state(), []
+    with pytest.raises(ModelFileError, match=said):  # cut short once the first token is out: before the next step
+        generate(model, state, fed, prompt, params, on_text=cut_short)
+    assert model.decoder.profile["steps"] == 1 and state.past_length == len(prompt) and fed == prompt  # the prefill
+    data.write_bytes(whole)
+    model = LoadedModel.open(folder)
+    state, fed = model.new_state(), []
+    with pytest.raises(ModelFileError, match=said):  # cut short once the prompt is accepted: before the prefill
+        generate(model, state, fed, prompt, params, before_feed=cut_short)
+    assert model.decoder.profile["steps"] == 0 and state.past_length == 0 and fed == []
+
+
 @pytest.mark.parametrize("name", ["model.onnx", "model.onnx.data", "genai_config.json", "tokenizer.json"])
 def test_a_folder_where_a_model_file_should_be_is_named_as_a_folder_not_missing(copy_fixture, name, cli):
     folder = copy_fixture("gptoss")
