@@ -4,6 +4,8 @@ points with the same answers as the all-CPU run."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 
 import pytest
@@ -231,6 +233,41 @@ def test_a_re_plan_the_trials_ask_for_that_the_driver_or_host_memory_fails_keeps
                                           f"more trials.")
     assert_same_as_cpu(greedy_run(model), cpu_run)
     assert engine.split_trials.trials == 0 and not engine.whole_layers
+
+
+def test_a_re_plan_the_trials_ask_for_refused_on_a_data_file_cut_short_stops_the_answer(model_folder, tmp_path):
+    """The trials' re-plan, refused since a data file was truncated after the load, said "decode goes on" and the
+    answer went on to steps that read the file past its new end (SIGBUS). The answer stops at that safe point with
+    the refusal naming the file, no step after it, and the plan says so."""
+    from engine.errors import ModelFileError
+    from engine.generation import GenerationParams, generate
+
+    folder = tmp_path / "m"
+    shutil.copytree(model_folder, folder)
+    model, engine = half_budget_engine(folder, first=0, settle=0, window=1)
+    plan = engine.plan
+    data = folder / "model.onnx.data"
+    size = data.stat().st_size
+    said = (f"{data}: truncated since the model was loaded: it has {size - 4} bytes of the {size} its initializers "
+            "take; load the model again")
+    safe_point = model.decoder.on_step_end
+
+    def cut_short_first(seconds, tokens):  # the file cut short during the first decode step, before its safe point
+        if tokens == 1:
+            os.truncate(data, size - 4)
+        safe_point(seconds, tokens)
+
+    model.decoder.on_step_end = cut_short_first
+    prompt = model.tokenizer.encode("The expert offload engine must be exact.")
+    with pytest.raises(ModelFileError) as refused:
+        generate(model, model.new_state(), [], prompt, GenerationParams(max_new_tokens=8))
+    assert str(refused.value) == said
+    assert model.decoder.profile["steps"] == 1  # the prefill's: the decode step stopped at its safe point
+    assert engine.plan is plan and engine.whole_layers is False and engine.layer_split_mode == "spread"
+    assert engine.plan.statements[-1] == (f"The layer split's trials asked for whole layers, and the re-plan failed "
+                                          f"({said}): the answer stopped there, before a step read the data file cut "
+                                          f"short; the plan keeps the budget spread over every layer, with no more "
+                                          f"trials.")
 
 
 def test_the_trials_time_a_step_with_the_accounts_it_left_for_its_safe_point(model_folder, monkeypatch):

@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 import psutil
 
-from engine.errors import WorkbenchError, one_line
+from engine.errors import ModelFileError, WorkbenchError, one_line
 from engine.expert_node import CpuExpertNode
 from engine.offload.approximate import ApproximationCounts
 from engine.kernel_threads import KernelThreads
@@ -934,9 +934,14 @@ class OffloadEngine(DenseLanding):
                     try:
                         self._set_whole_layers(wanted == WHOLE)
                     except Exception as exc:  # refused, or the driver or the host's memory failing it: the plan in
-                        # force stays (_replan restored it), with no more trials, and decoding goes on under it
+                        # force stays (_replan restored it), with no more trials, and decoding goes on under it; but
+                        # not past a data file cut short since the load (the re-plan's first check refuses it): the
+                        # next step would read past its end (SIGBUS), so the answer stops here with that refusal
                         self.layer_split_mode = WHOLE if self.whole_layers else SPREAD
-                        self.plan.statements.append(self._split_failed(wanted, exc))
+                        cut_short = self._cut_short()
+                        self.plan.statements.append(self._split_failed(wanted, exc, stops=cut_short is not None))
+                        if cut_short is not None:
+                            raise cut_short from None
                     return
             self._steps += 1
             if self._steps % MISS_SLOTS_EVERY == MISS_SLOTS_FIRST:
@@ -972,11 +977,25 @@ class OffloadEngine(DenseLanding):
             self._choosable = (self.plan, split_choosable(self.config, self.plan, self.infos) > 0)
         return self._choosable[1]
 
-    def _split_failed(self, wanted: str, exc: Exception) -> str:
-        """What the plan in force says once the re-plan the layer split's trials asked for (`wanted`) failed."""
+    def _cut_short(self) -> ModelFileError | None:
+        """The refusal naming a mapped data file truncated since the load (None where none is)."""
+        try:
+            if self.host_cache.source is not None:
+                self.host_cache.source.check_mapped_sizes()
+        except ModelFileError as exc:
+            return exc
+        return None
+
+    def _split_failed(self, wanted: str, exc: Exception, stops: bool = False) -> str:
+        """What the plan in force says once the re-plan the layer split's trials asked for (`wanted`) failed; `stops`:
+        the answer stopped there, a data file having been cut short."""
         kept = "whole layers" if self.whole_layers else "the budget spread over every layer"
         asked = "whole layers" if wanted == WHOLE else "the budget spread over every layer"
         failed = one_line(exc, self.config.mode)
+        if stops:
+            return (f"The layer split's trials asked for {asked}, and the re-plan failed ({failed}): the answer "
+                    f"stopped there, before a step read the data file cut short; the plan keeps {kept}, with no more "
+                    "trials.")
         return (f"The layer split's trials asked for {asked}, and the re-plan failed ({failed}): decode goes on with "
                 f"{kept}, with no more trials.")
 
