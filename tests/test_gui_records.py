@@ -1796,6 +1796,58 @@ def test_a_sweep_whose_budgets_the_device_cannot_take_back_keeps_its_points_and_
     assert model.offload.plan.budget_bytes == result.points[-1].budget_bytes
 
 
+def test_a_required_sweeps_budgets_the_device_no_longer_holds_keep_its_points_and_say_so(tmp_path):
+    """Under mode=required, putting the user's budgets back after another process took device memory during the sweep
+    is refused as above what the device has free (BudgetAboveFree): that replaced the job's result, its points lost
+    though their runs were saved. It is kept as a data file's refusal is: the model stays at the sweep's last budget,
+    and the result says why."""
+    from app.gui.records_jobs import SweepJob
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(mode="required",
+                                                                             device_expert_bytes=8 * EXPERT),
+                             device=device)
+
+    def progress(_fraction, text):
+        if text == "1 of 2 runs done":  # after the first point (one expert): another process leaves 2 more free
+            device.memory.reserve(device.memory.available - 2 * EXPERT, "another process")
+
+    ctx = _sweep_context(model, device, [])
+    ctx.progress = progress
+    result = SweepJob(2, ["short"], 1, history_path=str(tmp_path / "h.sqlite"), repeats=1)(ctx)
+    assert ([p.budget_bytes for p in result.points], result.saved_ids, result.failure) == ([EXPERT, 3 * EXPERT],
+                                                                                           [1, 2], "")
+    assert result.budgets_back == (
+        f"the model stays at the sweep's last budget: offload mode 'required': device_expert_bytes={8 * EXPERT} "
+        f"exceeds the 103.5 KiB ({3 * EXPERT} bytes) the device has free")
+    assert model.offload.plan.budget_bytes == 3 * EXPERT
+
+
+def test_a_sweeps_budgets_the_card_runs_out_of_memory_taking_back_keep_its_points_and_say_so(tmp_path, monkeypatch):
+    """CuPy's OutOfMemoryError putting the user's budgets back (the card's memory taken while the sweep ran) replaced
+    the job's result, its points lost though their runs were saved. It is kept as the device short is: the model stays
+    at the sweep's last budget, and the result says why, with what to do."""
+    from app.gui.records_jobs import SweepJob
+    from engine.errors import GPU_OUT_OF_MEMORY
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    original, reconfigure = model.offload.config, model.offload.reconfigure
+    cupy_oom = type("OutOfMemoryError", (MemoryError,), {"__module__": "cupy.cuda.memory"})  # where CuPy is absent
+
+    def run_out(config, **kwargs):
+        if config == original and not kwargs:
+            raise cupy_oom("Out of memory allocating 512 bytes (allocated so far: 0 bytes).")
+        reconfigure(config, **kwargs)
+
+    monkeypatch.setattr(model.offload, "reconfigure", run_out)
+    result = SweepJob(2, ["short"], 1, history_path=str(tmp_path / "h.sqlite"), repeats=1)(
+        _sweep_context(model, device, []))
+    assert (len(result.points), result.saved_ids, result.failure) == (2, [1, 2], "")
+    assert result.budgets_back == f"the model stays at the sweep's last budget: {RAN_OUT}{GPU_OUT_OF_MEMORY}"
+    assert model.offload.plan.budget_bytes == result.points[-1].budget_bytes
+
+
 def test_the_window_says_a_sweep_left_the_model_at_its_last_budget_once(qtbot, tmp_path):
     """A sweep whose data file was cut short since the load could not put the user's budgets back: the run line says the
     model stays at the sweep's last budget, with the truncation once (said already as the point's failure), and

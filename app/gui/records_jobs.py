@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from app.gui.side_streams import SideStreams
-from engine.errors import (ConversationFullError, ModelFileError, PromptError, WorkbenchError, gpu_out_of_memory,
-                           one_line)
+from engine.errors import ConversationFullError, PromptError, WorkbenchError, gpu_out_of_memory, one_line
 from engine.generation import GenerationParams, LoadedModel
 from engine.offload import OffloadConfig
 from engine.records.contention import (ContentionCancelled, ContentionReport, corpus_problem, default_corpus,
@@ -250,7 +249,8 @@ class SweepResult:
     layer_split: str = "auto"   # the loaded model's layer split and decode path, which the points ran with (with
     decode_path: str = "auto"   # both splits, each point its own split)
     not_restored: str = ""      # why the user's budgets could not be put back (a data file changed since the load,
-                                # whose line says to load the model again; the device short); "" where they were
+                                # whose line says to load the model again; the device short, or the card out of
+                                # memory); "" where they were
 
     @property
     def budgets_back(self) -> str:
@@ -352,12 +352,15 @@ class SweepJob:
         except Exception as exc:  # run_sweep's note names the point; before the first, the warm-up failed
             where, failure = stopped_at(exc), one_line(exc, original.mode)
         finally:
-            # a re-plan refused on a data file cut short, or on a device with less free than the budgets need now
-            # (another process took some), leaves the model at the sweep's last budget: the points stay
+            # a re-plan that fails leaves the plan in force, the sweep's last budget: refused (a WorkbenchError: a data
+            # file cut short, the device with less free than the budgets need now, as another process took some) or
+            # the card out of memory. The points stay, and the result says why; a defect of ours still raises.
             not_restored = ""
             try:
                 model.offload.reconfigure(original)  # the loaded model keeps the user's budgets
-            except (ModelFileError, DeviceMemoryError) as exc:
+            except Exception as exc:
+                if not (isinstance(exc, WorkbenchError) or gpu_out_of_memory(exc)):
+                    raise
                 not_restored = one_line(exc, original.mode)
         return SweepResult(points, planned[0], str(model.folder.folder), original.to_entries(), saved_ids=saved_ids,
                            length_note=reasoning_length_note(model.reasoning_answer_tokens, params.max_new_tokens),
