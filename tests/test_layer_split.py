@@ -297,3 +297,26 @@ def test_on_the_simulated_device_the_trials_compare_the_cards_projected_step_tim
     decode.critical_s += 0.004
     engine.end_step(0.050, 1)
     assert seen == [pytest.approx(0.050, abs=1e-3), pytest.approx(0.050 - 0.010 - 0.020 + 0.004, abs=1e-3)]
+
+
+def test_a_layer_split_whose_re_plan_fails_reads_as_the_split_its_layers_run(copy_fixture):
+    """set_layer_split set the split before re-planning: where the re-plan failed (here a data file written to since
+    the load), the plan stayed spread while the split read "whole", as the sweep's putting back of a model's own split
+    left it. The split and its trials read as they were, what the layers run."""
+    import os
+
+    from engine.errors import ModelFileError
+    from engine.offload.layer_split import WHOLE
+
+    folder = copy_fixture("gptoss")
+    budget = int(0.5 * device_expert_bytes(folder))
+    model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=budget), device=SimulatedDevice(1 << 30),
+                             layer_split="spread")
+    engine = model.offload
+    trials, slots = engine.split_trials, [layer.num_slots for layer in engine.slots]
+    data = folder / "model.onnx.data"
+    os.utime(data, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns + 1_000_000_000))
+    with pytest.raises(ModelFileError, match="changed since the model was loaded"):
+        engine.set_layer_split(WHOLE)
+    assert (engine.layer_split_mode, engine.whole_layers, engine.split_trials) == ("spread", False, trials)
+    assert [layer.num_slots for layer in engine.slots] == slots

@@ -1011,10 +1011,16 @@ class OffloadEngine(DenseLanding):
             raise
 
     def set_layer_split(self, mode: str) -> None:
-        """"auto" (trials decide, from spread), "spread" or "whole" (fixed); re-plans where the split changes."""
+        """"auto" (trials decide, from spread), "spread" or "whole" (fixed); re-plans where the split changes. A re-plan
+        that fails leaves the split and its trials as they were, with the plan: they say what the layers run."""
+        in_force = (self.layer_split_mode, self.split_trials)
         self.layer_split_mode = checked_split(mode)
         self.split_trials = LayerSplitTrials()
-        self._set_whole_layers(mode == WHOLE)
+        try:
+            self._set_whole_layers(mode == WHOLE)
+        except BaseException:
+            self.layer_split_mode, self.split_trials = in_force
+            raise
 
     def set_decode_path(self, mode: str) -> None:
         """"auto", "cpu", "tier" or "both" (decode_path.py): a re-plan of the configuration in force makes or drops the
