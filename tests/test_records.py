@@ -1119,6 +1119,32 @@ def test_a_sweep_whose_layer_split_the_device_cannot_take_back_returns_its_point
     assert model.offload.plan.budget_bytes == points[-1].budget_bytes
 
 
+@pytest.mark.parametrize("refusal", ["required", "card"])
+def test_a_sweep_whose_layer_split_the_device_refuses_back_under_required_or_runs_out_returns_its_points(
+        monkeypatch, refusal):
+    """As with the device short, a layer split put back that mode=required refuses as above what the device has free
+    now (BudgetAboveFree), or that runs the card out of memory (CuPy's OutOfMemoryError), raised from run_sweep's
+    finally in place of the points. The points are returned; the model stays at the last point's plan."""
+    from engine.offload.planner import BudgetAboveFree
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device, layer_split="whole")
+    cupy_oom = type("OutOfMemoryError", (MemoryError,), {"__module__": "cupy.cuda.memory"})  # where CuPy is absent
+
+    def refused(_mode):
+        if refusal == "required":
+            raise BudgetAboveFree("offload mode 'required': device_expert_bytes=565248 exceeds the 276.0 KiB (282624 "
+                                  "bytes) the device has free", 282624)
+        raise cupy_oom("Out of memory allocating 512 bytes (allocated so far: 0 bytes).")
+
+    monkeypatch.setattr(model.offload, "set_layer_split", refused)
+    points = run_sweep(model, device, 3, ["short"], GenerationParams(max_new_tokens=2), splits=("spread", "whole"),
+                       repeats=1)
+    assert [(p.fraction, p.split) for p in points] == [(0.0, "spread"), (0.5, "spread"), (0.5, "whole"),
+                                                       (1.0, "spread")]
+    assert model.offload.plan.budget_bytes == points[-1].budget_bytes
+
+
 def test_cli_record_sweep_history_contention(tmp_path, cli):
     """The sweeps in a process of their own: pyqtgraph's widgets that --plot makes crash a test process at exit."""
     from tests.test_bad_input import run_cli

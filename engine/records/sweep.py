@@ -16,9 +16,8 @@ import threading
 from dataclasses import dataclass, field
 from statistics import median
 
-from engine.errors import ModelFileError, PromptError, WorkbenchError
+from engine.errors import PromptError, WorkbenchError, gpu_out_of_memory
 from engine.generation import GenerationParams, LoadedModel
-from engine.offload.device_memory import DeviceMemoryError
 from engine.offload.layer_split import SPREAD, WHOLE
 from engine.offload.planner import BudgetAboveFree, all_resident_bytes, whole_layers_held
 from engine.records.lengths import SWEEP_REPEATS
@@ -304,10 +303,10 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
     `progress(fraction)` after each scenario run; `on_text(token, delta)` streams every answer; `on_settle(fraction,
     split)` as a point starts its unrecorded decode (settle); `on_point(point)` as each point completes (the command
     line saves its runs then: an interrupted sweep keeps them). `splits` (e.g. ("spread", "whole")): the layer splits
-    to compare at each budget (sweep_plan); the model's own layer split is put back afterwards (not where a data
-    file cut short since the load or the device short of memory refuses that re-plan: the model stays at the last
-    point's plan). Each point runs the scenarios `repeats` times, after an unrecorded warm-up answer at its budget
-    (_run_point), and its times are the medians over the repeats.
+    to compare at each budget (sweep_plan); the model's own layer split is put back afterwards (not where that re-plan
+    is refused, e.g. on a data file cut short since the load or the device short of memory, or runs the card out of
+    memory: the model stays at the last point's plan). Each point runs the scenarios `repeats` times, after an
+    unrecorded warm-up answer at its budget (_run_point), and its times are the medians over the repeats.
 
     A point whose budget the device cannot hold runs at what it holds (the point says so: its budget and share), and
     the sweep ends there: the points above it would run at that budget again (under mode=required they would be
@@ -367,10 +366,12 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
         if model.offload.layer_split_mode != mode:
             try:
                 model.offload.set_layer_split(mode)
-            except (ModelFileError, DeviceMemoryError):
-                # a data file cut short since the load, or the device short of memory now, refused the re-plan: not in
-                # place of the point's failure, nor of a sweep that completed; the model stays at the last point's plan
-                pass
+            except Exception as exc:
+                # a re-plan refused (a WorkbenchError: a data file cut short since the load, the device short of memory
+                # now) or the card out of memory: not in place of the point's failure, nor of a sweep that completed;
+                # the model stays at the last point's plan. A defect of ours still raises.
+                if not (isinstance(exc, WorkbenchError) or gpu_out_of_memory(exc)):
+                    raise
 
 
 class SweepCancelled(WorkbenchError):
