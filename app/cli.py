@@ -12,7 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
-from engine.errors import WorkbenchError, gpu_out_of_memory, not_written, one_line
+from engine.errors import WorkbenchError, not_written, one_line, users_error
 from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import BOTH as BOTH_SPLITS, MODES as SPLIT_MODES
 from engine.offload.projection import decode_totals, is_simulated, projected_decode_rate
@@ -875,7 +875,7 @@ def _record_stopped(exc: BaseException, scenario: str, records: list[dict], as_j
     if isinstance(exc, KeyboardInterrupt):
         print(f"{PROG}: interrupted during {scenario}; {kept}", file=sys.stderr)
         return 130
-    users = _users_error(exc)
+    users = users_error(exc)
     said = one_line(exc, mode)
     print(f"{PROG}: {'error' if users else 'internal error'}: {scenario}: {said}; {kept}", file=sys.stderr)
     return 2 if users else 3
@@ -977,7 +977,7 @@ def _cmd_sweep(args) -> int:
             raise
         progress.end()
         _print_sweep(done, None, args, ids_of)
-        users = _users_error(exc)
+        users = users_error(exc)
         print(f"{PROG}: {'error' if users else 'internal error'}: the sweep failed {stopped_at(exc)}: {one_line(exc)}; "
               f"{_kept(done, saved_ids, args)}", file=sys.stderr)
         return 2 if users else 3
@@ -1237,12 +1237,6 @@ def require_onnxruntime() -> None:
         raise WorkbenchError(BROKEN_ONNXRUNTIME.format(one_line(exc))) from None
 
 
-def _users_error(exc: BaseException) -> bool:
-    """An error the user can act on (exit status 2), not a defect of ours ("internal error", 3): a WorkbenchError, or
-    the GPU out of memory (a smaller budget, or memory other processes free, changes it)."""
-    return isinstance(exc, WorkbenchError) or gpu_out_of_memory(exc)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     command = args.command or "gui"
@@ -1269,7 +1263,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, ModuleNotFoundError) and exc.name == "onnxruntime":
             print(f"{PROG}: error: {NO_ONNXRUNTIME}", file=sys.stderr)
             return 2
-        if _users_error(exc):
+        if users_error(exc):
             print(f"{PROG}: error: {one_line(exc, getattr(args, 'offload_mode', None))}", file=sys.stderr)
             return 2
         print(f"{PROG}: internal error: {one_line(exc)}", file=sys.stderr)

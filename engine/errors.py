@@ -152,6 +152,12 @@ def gpu_out_of_memory(exc: BaseException) -> bool:
     return type(exc).__name__ == "OutOfMemoryError" or any(name in str(exc) for name in _CUDA_OUT_OF_MEMORY)
 
 
+def users_error(exc: BaseException) -> bool:
+    """An error the user can act on, not a defect of ours: a WorkbenchError, or the GPU out of memory (a smaller
+    budget, or memory other processes free, changes it)."""
+    return isinstance(exc, WorkbenchError) or gpu_out_of_memory(exc)
+
+
 def one_line(exc: BaseException, mode: str | None = None) -> str:
     """What the user is told of an exception, on one line: a WorkbenchError's message as it is, anything else as its
     type and first line, with what to do when the GPU's context is lost or its memory ran out, the latter as the

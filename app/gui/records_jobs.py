@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from app.gui.side_streams import SideStreams
-from engine.errors import ConversationFullError, PromptError, WorkbenchError, gpu_out_of_memory, one_line
+from engine.errors import ConversationFullError, PromptError, WorkbenchError, gpu_out_of_memory, one_line, users_error
 from engine.generation import GenerationParams, LoadedModel
 from engine.offload import OffloadConfig
 from engine.records.contention import (ContentionCancelled, ContentionReport, corpus_problem, default_corpus,
@@ -359,7 +359,7 @@ class SweepJob:
             try:
                 model.offload.reconfigure(original)  # the loaded model keeps the user's budgets
             except Exception as exc:
-                if not (isinstance(exc, WorkbenchError) or gpu_out_of_memory(exc)):
+                if not users_error(exc):
                     raise
                 not_restored = one_line(exc, original.mode)
         return SweepResult(points, planned[0], str(model.folder.folder), original.to_entries(), saved_ids=saved_ids,
@@ -429,7 +429,7 @@ class SideBySideJob:
             return SideBySideResult(None, [[], []], cancelled=True)
         except Exception as exc:
             # a budget B's device cannot hold, a folder without a model, the card out of memory: A answers alone
-            if not (isinstance(exc, WorkbenchError) or gpu_out_of_memory(exc)):
+            if not users_error(exc):
                 raise
             short = isinstance(exc, (DeviceShort, DeviceMemoryError)) or gpu_out_of_memory(exc)
             beside = (f" (beside A, which stays loaded and holds {human_bytes(held_by_a)} of the device)"

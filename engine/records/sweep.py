@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from statistics import median
 
-from engine.errors import PromptError, WorkbenchError, gpu_out_of_memory
+from engine.errors import PromptError, WorkbenchError, users_error
 from engine.generation import GenerationParams, LoadedModel
 from engine.offload.layer_split import SPREAD, WHOLE
 from engine.offload.planner import BudgetAboveFree, all_resident_bytes, whole_layers_held
@@ -370,7 +370,7 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
                 # a re-plan refused (a WorkbenchError: a data file cut short since the load, the device short of memory
                 # now) or the card out of memory: not in place of the point's failure, nor of a sweep that completed;
                 # the model stays at the last point's plan. A defect of ours still raises.
-                if not (isinstance(exc, WorkbenchError) or gpu_out_of_memory(exc)):
+                if not users_error(exc):
                     raise
 
 
