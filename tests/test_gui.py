@@ -365,8 +365,37 @@ def test_hand_edited_json_settings_qt_reads_as_lists_are_said_with_the_hint_and_
     assert "options.bad={temperature: 0.7, top_k: 40}\n" in ini.read_text()  # the line as it was, less its quotes
 
 
+def test_hand_edited_json_settings_whose_quotes_qt_dropped_are_said_with_the_backslash_hint(qtbot, tmp_path):
+    """Qt drops a settings file's quotes that have no backslash before them: JSON typed in by hand with no comma, or
+    in quotes with one, was refused as "not JSON: Expecting property name enclosed in double quotes: line 1 column 2
+    (char 1)", though the user had written the quotes. Each now says what Qt read and that the quotes need a
+    backslash; written so, the same options are used."""
+    ini = tmp_path / "settings.ini"
+    key = MainWindow._model_key("/m")
+    ini.write_text('[General]\nrecent=["/a" "/b"]\n[chat]\noptions="{"temperature": 0.7, "top_k": 40}"\n'
+                   f'[models]\n{key.split("/")[1]}={{"budget": {{}}}}\n')
+    win = make_window(qtbot, tmp_path, nvml=False)
+    assert win.model_settings("/m") is None
+    hint = 'is not JSON: in the file, each of its quotes needs a backslash (\\"), or Qt drops it'
+    assert win.settings_banner.text().split("\n") == [
+        f"{ini}: the chat options kept under chat/options cannot be used ({{temperature: 0.7, top_k: 40}} {hint}): the "
+        "chat starts from its defaults; what was kept is now under chat/options.bad there",
+        f"{ini}: the recent models kept under recent cannot be used ([/a/b] {hint}): Open recent starts empty; what "
+        "was kept is now under recent.bad there",
+        f"{ini}: the budgets kept for /m cannot be used ({{budget: {{}}}} {hint}): the Budgets panel shows the "
+        f"defaults; what was kept is now under {key}.bad there"]
+    win.close()
+    ini.write_text('[General]\nrecent=[\\"/a\\"]\n[chat]\noptions="{\\"temperature\\": 0.7, \\"top_k\\": 40}"\n'
+                   f'[models]\n{key.split("/")[1]}={{\\"budget\\": {{}}}}\n')
+    again = make_window(qtbot, tmp_path, nvml=False)
+    assert again.model_settings("/m") == {} and again.recent() == ["/a"]
+    assert again.chat.options()["temperature"] == 0.7 and again.chat.options()["top_k"] == 40
+    assert again.settings_banner.isHidden()
+    again.close()
+
+
 UNUSABLE_BUDGETS = [
-    ("{not json", "not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+    ("{not json", '{not json is not JSON: in the file, each of its quotes needs a backslash (\\"), or Qt drops it'),
     ('{"path": "m", "budget": ["cuda"]}', "no budget object in it"),
     ('{"path": "m", "budget": {"device": "cuda"}}', 'device "cuda" is not {"kind": cpu, simulated or cuda}'),
     ('{"path": "m", "budget": {"kv_tokens": "lots"}}',
@@ -456,7 +485,7 @@ def test_a_second_malformed_settings_file_is_kept_beside_the_first_not_over_it(q
 
 
 UNUSABLE_RECENT = [
-    ("{not json", "not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+    ("{not json", '{not json is not JSON: in the file, each of its quotes needs a backslash (\\"), or Qt drops it'),
     ('{"/m": 1}', "not a list of paths"),
     ('["/m", 3]', "not a list of paths"),
     ('"/m"', "not a list of paths"),  # (its letters were the recent models)
