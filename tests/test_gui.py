@@ -321,6 +321,25 @@ def test_other_kept_settings_that_do_not_fit_are_said_and_kept_aside(qtbot, tmp_
     assert {key: settings.value(key + ".bad") for key in kept} == kept
 
 
+def test_an_answer_length_kept_with_thousands_separators_is_said_as_that_not_as_a_list(qtbot, tmp_path):
+    """Qt reads an answer length typed in as 1,000 as the list ["1", "000"]: it was refused as "['1', '000'] is not a
+    length of 1 to 100000 tokens, or null". It is not taken as a thousand (where a comma marks decimals it is one):
+    it, and one in quotes or with a space, is now said to be no whole number, thousands separators not taken."""
+    ini = tmp_path / "settings.ini"
+    ini.write_text('[record]\nmax_new_tokens=1,000\n[sweep]\nmax_new_tokens="2,500"\n'
+                   "[contention]\nmax_new_tokens=1 000\n")
+    win = make_window(qtbot, tmp_path, nvml=False)
+    assert win.settings_banner.text().split("\n") == [
+        f"{ini}: the answer length kept under {key}/max_new_tokens cannot be used ({typed} is not a whole number of "
+        f"tokens: thousands separators are not taken): its default is used; what was kept is now under "
+        f"{key}/max_new_tokens.bad there" for key, typed in (("record", "1,000"), ("contention", "1 000"),
+                                                             ("sweep", "2,500"))]
+    assert [box.chosen for box in win.answer_lengths.values()] == [None, None, None, None]
+    win.close()
+    settings = QSettings(str(ini), QSettings.Format.IniFormat)
+    assert settings.value("record/max_new_tokens.bad") == ["1", "000"]
+
+
 def test_a_hand_edited_system_prompt_qt_reads_as_a_list_is_said_not_sent(qtbot, tmp_path):
     """Qt reads a settings file's unquoted value with a comma as a list of texts: a system prompt written in by hand as
     Be brief, be kind became the prompt "['Be brief', 'be kind']", sent to the model without a word. It is now said
