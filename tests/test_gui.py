@@ -413,6 +413,20 @@ def test_hand_edited_json_settings_whose_quotes_qt_dropped_are_said_with_the_bac
     again.close()
 
 
+def test_a_hand_edited_json_setting_that_is_not_json_is_said_with_the_value_its_position_counts_in(qtbot, tmp_path):
+    """A JSON setting that is not JSON was said as "not JSON: Expecting ',' delimiter: line 1 column 7 (char 6)":
+    the line and column count in the value, but the message names the file, whose line 1 is a section. The value is
+    now said as read, and the character counts in it."""
+    ini = tmp_path / "settings.ini"
+    ini.write_text('[General]\nrecent=[\\"/a\\" \\"/b\\"]\n')
+    win = make_window(qtbot, tmp_path, nvml=False)
+    assert win.recent() == []
+    assert win.settings_banner.text() == (
+        f'{ini}: the recent models kept under recent cannot be used (["/a" "/b"] is not JSON: Expecting '
+        "',' delimiter at character 7 of it): Open recent starts empty; what was kept is now under recent.bad there")
+    win.close()
+
+
 UNUSABLE_BUDGETS = [
     ("{not json", '{not json is not JSON: in the file, each of its quotes needs a backslash (\\"), or Qt drops it'),
     ('{"path": "m", "budget": ["cuda"]}', "no budget object in it"),
@@ -510,7 +524,7 @@ UNUSABLE_RECENT = [
     ('"/m"', "not a list of paths"),  # (its letters were the recent models)
 ]
 UNUSABLE_CHAT_OPTIONS = [
-    ("[1", "not JSON: Expecting ',' delimiter: line 1 column 3 (char 2)"),
+    ("[1", "[1 is not JSON: Expecting ',' delimiter at character 3 of it"),
     ('["/m"]', "not a JSON object"),
     ('{"top_k": "many"}', 'top_k "many" is not a whole number'),
     ('{"stop_strings": "END"}', 'stop_strings "END" is not a list of strings'),

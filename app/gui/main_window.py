@@ -101,6 +101,8 @@ def kept_json(raw):
                 and exc.msg in ("Expecting property name enclosed in double quotes", "Expecting value")):
             raise ValueError(f'{raw} is not JSON: in the file, each of its quotes needs a backslash (\\"), or Qt '
                              "drops it") from None
+        if isinstance(exc, json.JSONDecodeError):  # its "line 1 column 3" counts in the value, not in the file
+            raise ValueError(f"{raw} is not JSON: {exc.msg} at character {exc.pos + 1} of it") from None
         raise ValueError(f"not JSON: {exc}") from None
 
 
