@@ -360,28 +360,35 @@ def test_hand_edited_json_settings_qt_reads_as_lists_are_said_with_the_hint_and_
     """Qt reads a settings file's unquoted value with a comma as a list of texts, dropping the quotes in it: chat
     options, recent models or a model's budgets written in by hand as JSON were refused as "not JSON: the JSON object
     must be str, bytes or bytearray, not list", which says nothing of the file. Each now gives the system prompt's
-    hint, and what Qt read is kept aside as read."""
+    hint, and what Qt read is kept aside as read. That hint alone, followed, left the quotes in it dropped: where none
+    is left, it says they need a backslash too."""
     ini = tmp_path / "settings.ini"
     key = MainWindow._model_key("/m")
     ini.write_text('[General]\nrecent=["/a", "/b"]\n[chat]\noptions={"temperature": 0.7, "top_k": 40}\n'
                    f'[models]\n{key.split("/")[1]}={{"path": "/m", "budget": {{}}}}\n')
     win = make_window(qtbot, tmp_path, nvml=False)
     assert win.model_settings("/m") is None
+    hint = 'in the file, one with a comma needs quotes, and each of its own quotes a backslash (\\")'
     assert win.settings_banner.text().split("\n") == [
         f"{ini}: the chat options kept under chat/options cannot be used (['{{temperature: 0.7', 'top_k: 40}}'] is "
-        "not a text: in the file, one with a comma needs quotes): the chat starts from its defaults; what was kept is "
-        "now under chat/options.bad there",
-        f"{ini}: the recent models kept under recent cannot be used (['[/a', '/b]'] is not a text: in the file, one "
-        "with a comma needs quotes): Open recent starts empty; what was kept is now under recent.bad there",
-        f"{ini}: the budgets kept for /m cannot be used (['{{path: /m', 'budget: {{}}}}'] is not a text: in the file, "
-        f"one with a comma needs quotes): the Budgets panel shows the defaults; what was kept is now under {key}.bad "
-        "there"]
+        f"not a text: {hint}): the chat starts from its defaults; what was kept is now under chat/options.bad there",
+        f"{ini}: the recent models kept under recent cannot be used (['[/a', '/b]'] is not a text: {hint}): Open "
+        "recent starts empty; what was kept is now under recent.bad there",
+        f"{ini}: the budgets kept for /m cannot be used (['{{path: /m', 'budget: {{}}}}'] is not a text: {hint}): the "
+        f"Budgets panel shows the defaults; what was kept is now under {key}.bad there"]
     assert win.chat.options()["temperature"] == 0.0 and win.chat.options()["top_k"] == 0
     win.close()
     settings = QSettings(str(ini), QSettings.Format.IniFormat)
     assert [settings.value(k + ".bad") for k in ("chat/options", "recent", key)] == [
         ["{temperature: 0.7", "top_k: 40}"], ["[/a", "/b]"], ["{path: /m", "budget: {}}"]]
     assert "options.bad={temperature: 0.7, top_k: 40}\n" in ini.read_text()  # the line as it was, less its quotes
+    ini.write_text('[General]\nrecent=[\\"/a\\", \\"/b\\"]\n')  # its quotes kept: only the quotes around it lack
+    again = make_window(qtbot, tmp_path, nvml=False)
+    assert again.recent() == []
+    assert again.settings_banner.text() == (
+        f"""{ini}: the recent models kept under recent cannot be used (['["/a"', '"/b"]'] is not a text: in the """
+        "file, one with a comma needs quotes): Open recent starts empty; what was kept is now under recent.bad there")
+    again.close()
 
 
 def test_hand_edited_json_settings_whose_quotes_qt_dropped_are_said_with_the_backslash_hint(qtbot, tmp_path):

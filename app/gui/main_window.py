@@ -90,7 +90,11 @@ def not_a_text(value) -> str:
 def kept_json(raw):
     """What a JSON text the settings keep holds; ValueError says why it cannot be read (a hand-edited file)."""
     if not isinstance(raw, str):
-        raise ValueError(not_a_text(raw))
+        problem = not_a_text(raw)
+        # Qt dropped the quotes inside too: in quotes alone, {"top_k": 40, ...} would read as {top_k: 40, ...}
+        if isinstance(raw, list) and not any('"' in str(item) for item in raw):
+            problem += ', and each of its own quotes a backslash (\\")'
+        raise ValueError(problem)
     try:
         return json.loads(raw)
     except ValueError as exc:
