@@ -420,6 +420,19 @@ def test_hand_edited_json_settings_whose_quotes_qt_dropped_are_said_with_the_bac
     again.close()
 
 
+def test_a_json_setting_typed_in_single_quotes_is_said_in_jsons_words_not_with_the_backslash_hint(qtbot, tmp_path):
+    """Chat options typed with single quotes ({'top_k': 40}, which Qt keeps) were said to need a backslash before
+    each of their quotes, which leads to \\' and not to the double quotes JSON needs. JSON's own words say it."""
+    ini = tmp_path / "settings.ini"
+    ini.write_text("[chat]\noptions={'top_k': 40}\n")
+    win = make_window(qtbot, tmp_path, nvml=False)
+    assert win.settings_banner.text() == (
+        f"{ini}: the chat options kept under chat/options cannot be used ({{'top_k': 40}} is not JSON: Expecting "
+        "property name enclosed in double quotes at character 2 of it): the chat starts from its defaults; what was "
+        "kept is now under chat/options.bad there")
+    win.close()
+
+
 def test_a_hand_edited_json_setting_that_is_not_json_is_said_with_the_value_its_position_counts_in(qtbot, tmp_path):
     """A JSON setting that is not JSON was said as "not JSON: Expecting ',' delimiter: line 1 column 7 (char 6)":
     the line and column count in the value, but the message names the file, whose line 1 is a section. The value is

@@ -99,9 +99,10 @@ def kept_json(raw):
         return json.loads(raw)
     except ValueError as exc:
         # Qt drops a quote with no backslash before it: {"top_k": 40} typed in the file reads as {top_k: 40}, which
-        # JSON refuses where a quoted text should start (every object or list these settings keep holds texts)
+        # JSON refuses where a quoted text should start (every object or list these settings keep holds texts);
+        # where it stops at a single quote, its own words say what is wrong
         if (isinstance(exc, json.JSONDecodeError) and raw.lstrip().startswith(("{", "[")) and '"' not in raw
-                and exc.pos < len(raw)
+                and exc.pos < len(raw) and raw[exc.pos] != "'"
                 and exc.msg in ("Expecting property name enclosed in double quotes", "Expecting value")):
             raise ValueError(f'{raw} is not JSON: in the file, each of its quotes needs a backslash (\\"), or Qt '
                              "drops it") from None
