@@ -340,6 +340,24 @@ def test_an_answer_length_kept_with_thousands_separators_is_said_as_that_not_as_
     assert settings.value("record/max_new_tokens.bad") == ["1", "000"]
 
 
+def test_kept_settings_left_empty_are_said_as_that(qtbot, tmp_path):
+    """A theme, answers choice or sweep repeats left empty in a hand-edited settings file was said with nothing where
+    the value goes: "( is not system, light or dark)". It is now said as an empty value."""
+    from engine.records.lengths import SWEEP_REPEATS
+
+    ini = tmp_path / "settings.ini"
+    ini.write_text("[view]\ntheme=\n[sweep]\nanswers=\nrepeats=\n")
+    win = make_window(qtbot, tmp_path, nvml=False)
+    assert win.settings_banner.text().split("\n") == [
+        f"{ini}: the theme kept under view/theme cannot be used (an empty value is not system, light or dark): the "
+        "system's is used; what was kept is now under view/theme.bad there",
+        f"{ini}: the answers choice kept under sweep/answers cannot be used (an empty value is not one of greedy, "
+        "model, chat): greedy is used; what was kept is now under sweep/answers.bad there",
+        f"{ini}: the sweep's repeats kept under sweep/repeats cannot be used (an empty value is not a count of 1 to "
+        f"9): its default, {SWEEP_REPEATS}, is used; what was kept is now under sweep/repeats.bad there"]
+    win.close()
+
+
 def test_a_hand_edited_system_prompt_qt_reads_as_a_list_is_said_not_sent(qtbot, tmp_path):
     """Qt reads a settings file's unquoted value with a comma as a list of texts: a system prompt written in by hand as
     Be brief, be kind became the prompt "['Be brief', 'be kind']", sent to the model without a word. It is now said

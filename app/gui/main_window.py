@@ -81,6 +81,11 @@ def saved_length(raw) -> int | None:
     return tokens
 
 
+def as_kept(value) -> str:
+    """A kept value as a refusal names it: an empty one would leave the sentence without its subject."""
+    return "an empty value" if value == "" else str(value)
+
+
 def not_a_text(value) -> str:
     """Why a kept value Qt did not read as a text cannot be used: Qt reads a hand-edited value with a comma and no
     quotes as a list of texts (and drops the quotes in it)."""
@@ -118,7 +123,7 @@ def saved_repeats(raw) -> int:
         return SWEEP_REPEATS
     text = str(raw).strip()
     if not (text.isdigit() and 1 <= int(text) <= REPEATS_MAX):
-        raise ValueError(f"{raw} is not a count of 1 to {REPEATS_MAX}")
+        raise ValueError(f"{as_kept(raw)} is not a count of 1 to {REPEATS_MAX}")
     return int(text)
 
 
@@ -423,7 +428,7 @@ class MainWindow(QMainWindow):
         theme_choice = s.value("view/theme")
         self.theme_choice = theme_choice if theme_choice in ("system", "light", "dark") else "system"
         if theme_choice is not None and theme_choice != self.theme_choice:  # one the menu has no entry for
-            self._refuse_kept("view/theme", "theme", f"{theme_choice} is not system, light or dark",
+            self._refuse_kept("view/theme", "theme", f"{as_kept(theme_choice)} is not system, light or dark",
                               "the system's is used")
         chat = s.value("chat/options")
         if chat:
@@ -459,7 +464,7 @@ class MainWindow(QMainWindow):
             choice.setCurrentIndex(max(0, choice.findData(answers)))
             if answers is not None and choice.currentData() != answers:
                 known = ", ".join(str(choice.itemData(i)) for i in range(choice.count()))
-                self._refuse_kept(f"{key}/answers", "answers choice", f"{answers} is not one of {known}",
+                self._refuse_kept(f"{key}/answers", "answers choice", f"{as_kept(answers)} is not one of {known}",
                                   f"{choice.currentData()} is used")
         try:
             self.sweep.repeats.setValue(saved_repeats(s.value("sweep/repeats")))
