@@ -342,12 +342,15 @@ def test_an_answer_length_kept_with_thousands_separators_is_said_as_that_not_as_
 
 def test_kept_settings_left_empty_are_said_as_that(qtbot, tmp_path):
     """A theme, answers choice or sweep repeats left empty in a hand-edited settings file was said with nothing where
-    the value goes: "( is not system, light or dark)". It is now said as an empty value."""
+    the value goes: "( is not system, light or dark)". It is now said as an empty value. Recent models left empty
+    were refused as "not JSON: Expecting value: line 1 column 1 (char 0)": they are now none, as empty chat options
+    or budgets are."""
     from engine.records.lengths import SWEEP_REPEATS
 
     ini = tmp_path / "settings.ini"
-    ini.write_text("[view]\ntheme=\n[sweep]\nanswers=\nrepeats=\n")
+    ini.write_text("[General]\nrecent=\n[view]\ntheme=\n[sweep]\nanswers=\nrepeats=\n")
     win = make_window(qtbot, tmp_path, nvml=False)
+    assert win.recent() == []  # none, as empty chat options or budgets are
     assert win.settings_banner.text().split("\n") == [
         f"{ini}: the theme kept under view/theme cannot be used (an empty value is not system, light or dark): the "
         "system's is used; what was kept is now under view/theme.bad there",

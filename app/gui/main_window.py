@@ -546,7 +546,7 @@ class MainWindow(QMainWindow):
 
     def recent(self) -> list[str]:
         raw = self.settings.value("recent")
-        if raw is None:
+        if not raw:  # none, or left empty by hand (as empty chat options or budgets are none)
             return []
         try:
             paths = kept_json(raw)
