@@ -102,17 +102,17 @@ def kept_json(raw):
         raise ValueError(problem)
     try:
         return json.loads(raw)
-    except ValueError as exc:
+    except json.JSONDecodeError as exc:
         # Qt drops a quote with no backslash before it: {"top_k": 40} typed in the file reads as {top_k: 40}, which
         # JSON refuses where a quoted text should start (every object or list these settings keep holds texts);
         # where it stops at a single quote, its own words say what is wrong
-        if (isinstance(exc, json.JSONDecodeError) and raw.lstrip().startswith(("{", "[")) and '"' not in raw
-                and exc.pos < len(raw) and raw[exc.pos] != "'"
+        if (raw.lstrip().startswith(("{", "[")) and '"' not in raw and exc.pos < len(raw) and raw[exc.pos] != "'"
                 and exc.msg in ("Expecting property name enclosed in double quotes", "Expecting value")):
             raise ValueError(f'{raw} is not JSON: in the file, each of its quotes needs a backslash (\\"), or Qt '
                              "drops it") from None
-        if isinstance(exc, json.JSONDecodeError):  # its "line 1 column 3" counts in the value, not in the file
-            raise ValueError(f"{raw} is not JSON: {exc.msg} at character {exc.pos + 1} of it") from None
+        # (its "line 1 column 3" counts in the value, not in the file)
+        raise ValueError(f"{raw} is not JSON: {exc.msg} at character {exc.pos + 1} of it") from None
+    except ValueError as exc:  # a number past Python's 4300 digits
         raise ValueError(f"not JSON: {exc}") from None
 
 
