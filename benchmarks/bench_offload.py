@@ -418,6 +418,24 @@ def host_probe_us(spec, rounds: int = 300) -> float:
     return median_seconds(work, rounds, warmup=20) * 1e6  # the warm-up: compiled and warm
 
 
+def engine_after_decode(model: LoadedModel) -> tuple[dict, dict]:
+    """What the engine holds once a point's timed decode is over, for the point's figure (the first dict) and line:
+    read before the point's prefill, profiled steps and trace decodes, which go on measuring and re-plan (the traces'
+    placements). Read after them, the CPU kernels' rates, the miss slots, the copies' reuse and the streaming slots
+    were the last trace's, and at every expert resident an earlier fraction's. The second dict: the CPU's rate in
+    force (the split's under "both", from its parts; else the CPU path's calls')."""
+    offload = model.offload
+    groups = offload.streaming.groups
+    rate = offload.split_cpu_rate if offload.splits_cold else offload.cpu_rate
+    return ({"cpu_rate": offload.cpu_rate.value, "cpu_fixed_s": offload.cpu_rate.fixed_s,
+             "cpu_average_rate": offload.cpu_rate.average, "miss_slots_per_layer": list(offload.policy.miss_slots),
+             "copy_prepare_s": getattr(offload.stores[0], "prepare_s", None), "copy_reuse": offload.copy_reuse.value,
+             "pinned": offload.pinned_info(), "streaming_slots": [group.num_slots for group in groups],
+             "streaming_prepare_s": [group.prepare_s for group in groups],
+             "streaming_launch_s": [group.launch_s for group in groups]},
+            {"bytes_per_s": rate.value, "fixed_s": rate.fixed_s, "average_bytes_per_s": rate.average})
+
+
 def layer_overhead(profile: dict, stats, layers: int) -> float | None:
     """Seconds a layer and step the expert nodes took beyond waiting for the device ((experts_s - wait_s) / (steps x
     layers)): the host's Python, synchronisation and launches, where no expert ran on the CPU in the timed steps
@@ -579,6 +597,7 @@ def main() -> None:
                             "cpu_threads_in_force": model.decoder.kernel_threads.in_force})
         decoded = decode_repeats(repeats)
         state = model.offload.copy_state()  # the trials' outcomes (the traces below re-plan)
+        held, cpu_in_force = engine_after_decode(model)
         split, path = state["layer_split"], path_run(model, state["decode_path"])
         parts = overhead_breakdown(step_rows, len(infos), args.device == "simulated",
                                    stats.device_s / max(1, profile["steps"] * len(infos)))
@@ -626,14 +645,7 @@ def main() -> None:
              "host_probe_us": probe,
              "misses_cpu": stats.misses_cpu, "misses_copied": stats.misses_copied, "miss_copies": stats.miss_copies,
              "misses_read": stats.misses_read, "decode_path": path,
-             "cpu_rate": model.offload.cpu_rate.value, "cpu_fixed_s": model.offload.cpu_rate.fixed_s,
-             "cpu_average_rate": model.offload.cpu_rate.average, "miss_slots_per_layer": model.offload.policy.miss_slots,
-             "copy_prepare_s": getattr(model.offload.stores[0], "prepare_s", None),
-             "copy_reuse": model.offload.copy_reuse.value, "pinned": model.offload.pinned_info(),
-             "layer_split": split,
-             "streaming_slots": [group.num_slots for group in model.offload.streaming.groups],
-             "streaming_prepare_s": [group.prepare_s for group in model.offload.streaming.groups],
-             "streaming_launch_s": [group.launch_s for group in model.offload.streaming.groups]},
+             **held, "layer_split": split},
             {"name": f"prefill tokens/s ({args.prefill_tokens}-token prompt), {label}", "value": prefill,
              "unit": "tokens/s", "reference": "all-CPU prefill", "reference_value": cpu_prefill,
              "ratio": prefill / cpu_prefill, "split": prefill_split},
@@ -659,22 +671,20 @@ def main() -> None:
         if h < 1:
             other_bounds += (f"; on the tier only {decoded['bound_misses_on_tier_only']:.1f}: "
                              f"{decoded['ratio_to_tier_only_bound']:.0%}")
-        # the CPU's rate in force: the split's under "both" (its parts), else the CPU path's calls'
-        rate = model.offload.split_cpu_rate if model.offload.splits_cold else model.offload.cpu_rate
         print(f"{fraction:5.0%}  decode {decoded['value']:7.1f} tok/s "
               f"(bound {decoded['reference_value']:7.1f}{other_bounds}, hit {h:.2f}{decoded_spread(decoded)}, host probe {probe:.1f} µs)  "
               f"prefill {prefill:7.0f} tok/s (CPU {cpu_prefill:.0f})  {overhead_words(overhead)}  "
               f"trace hit {trace_h:.2f}  misses cpu/copied {stats.misses_cpu}/{stats.misses_copied}"
               + f"/read {stats.misses_read}" + path_text(path)
-              + (f" (CPU kernels {rate.value / 1e9:.0f} GB/s + {rate.fixed_s * 1e6:.0f} µs"
-                 f" a call, average {rate.average / 1e9:.0f} GB/s)" if rate.value else "")
-              + f", miss slots {max(model.offload.policy.miss_slots, default=0)} of {slots} per layer"
+              + (f" (CPU kernels {cpu_in_force['bytes_per_s'] / 1e9:.0f} GB/s + {cpu_in_force['fixed_s'] * 1e6:.0f} µs"
+                 f" a call, average {cpu_in_force['average_bytes_per_s'] / 1e9:.0f} GB/s)"
+                 if cpu_in_force["bytes_per_s"] and stats.misses_cpu else "")  # (else an earlier point's rate)
+              + f", miss slots {max(held['miss_slots_per_layer'], default=0)} of {slots} per layer"
               + split_text(split)
-              + "".join(f", {counted(g.num_slots, 'streaming slot')} ({g.prepare_s * 1e6:.0f} µs to issue a copy, "
-                        f"{g.launch_s * 1e6:.0f} to launch and merge)"
-                        for g in model.offload.streaming.groups)
-              + (f", later hits per copy {model.offload.copy_reuse.value:.2f}"
-                 if model.offload.copy_reuse.value is not None else ""),
+              + "".join(f", {counted(n, 'streaming slot')} ({prepare * 1e6:.0f} µs to issue a copy, "
+                        f"{launch * 1e6:.0f} to launch and merge)" for n, prepare, launch in
+                        zip(held["streaming_slots"], held["streaming_prepare_s"], held["streaming_launch_s"]))
+              + (f", later hits per copy {held['copy_reuse']:.2f}" if held["copy_reuse"] is not None else ""),
               flush=True)
         busiest = max(loads, key=lambda load: load.steal + load.others)
         threads = model.decoder.kernel_threads.state()  # the automatic count follows other processes' load

@@ -348,3 +348,38 @@ def test_at_every_expert_resident_the_points_say_no_decode_path_ran(tmp_path, mo
     assert every.count("every expert resident: no decode path ran") == 2  # the point's line and its trace line
     assert "decode path" not in every.replace("no decode path ran", "")
     assert printed.count(", decode path cpu (no host tier)") == 3  # 50%: the point and its two placements' traces
+
+
+def test_a_points_cpu_rates_and_copy_reuse_are_the_engines_after_its_timed_decode_not_after_its_traces(
+        tmp_path, monkeypatch, capsys):
+    """A point's figure and line gave the CPU kernels' rates, miss slots, copies' reuse and streaming slots as the
+    engine held them after the point's trace decodes, which go on measuring and re-plan: the last trace's. They are
+    read once the point's timed decode is over, and the line gives the rates only where the point's timed steps
+    computed experts on the CPU (at 100% resident it gave the 50% point's)."""
+    import benchmarks.bench_offload as bench
+
+    left = []  # the engine's CPU rate and reuse after each decode: the dense reference's, the point's, the traces'
+    decode, traced_decode = bench.decode, bench.traced_decode
+
+    def timed(model, *args, **kwargs):
+        measured = decode(model, *args, **kwargs)
+        rate = model.offload.cpu_rate
+        left.append((rate.value, rate.fixed_s, rate.average, model.offload.copy_reuse.value))
+        return measured
+
+    def traced(model, *args, **kwargs):
+        model.offload.cpu_rate.observe(10 ** 9, 10.0)  # a trace's CPU call, far slower than the point's
+        return traced_decode(model, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "decode", timed)
+    monkeypatch.setattr(bench, "traced_decode", traced)
+    result = run_bench(tmp_path, monkeypatch, [40.0, 40.0, 40.0], "--fractions", "0.5,1", "--decode-path", "cpu")
+    point = next(figure for figure in result["figures"] if figure["name"] == "decode tokens/s, gpt-oss-20b-like, "
+                                                                             "50% resident")
+    assert len(left) == 6 and left[1][2] is not None and left[1] != left[-1]
+    assert (point["cpu_rate"], point["cpu_fixed_s"], point["cpu_average_rate"], point["copy_reuse"]) == left[1]
+    printed = capsys.readouterr().out.splitlines()
+    assert not any("CPU kernels" in line for line in printed if line.startswith(" 100%  decode"))
+    line = next(line for line in printed if line.startswith("  50%  decode"))
+    assert (f"(CPU kernels {left[1][0] / 1e9:.0f} GB/s + {left[1][1] * 1e6:.0f} µs a call, average "
+            f"{left[1][2] / 1e9:.0f} GB/s)") in line
