@@ -35,6 +35,13 @@ def _median_call_s(kernel, xs, logits, calls: int, hot: bool) -> float:
     return float(np.median(times[calls // 4:]))
 
 
+def cold_call_s(kernel, xs, logits, calls: int) -> float:
+    """Median seconds of `kernel`'s decode call on a cold routing (xs, logits: bench_qmoe_cpu.cold_decode_inputs),
+    after one call that compiles and warms it (bench_offload's calibration times a model's experts so)."""
+    kernel.forward(xs[0], logits[0])
+    return _median_call_s(kernel, xs, logits, calls, hot=False)
+
+
 def measure(shape: str, threads: list[int], calls: int) -> list[dict]:
     from benchmarks.bench_qmoe_cpu import cold_decode_node
     from engine.offload.host_bandwidth import stream_read_bandwidth
@@ -47,8 +54,7 @@ def measure(shape: str, threads: list[int], calls: int) -> list[dict]:
         use_threads(n)
         stream = stream_read_bandwidth(1 << 30, 3)
         kernel = CpuQMoE(node.spec, node.tensors, num_threads=n)
-        kernel.forward(node.xs[0], node.logits[0])  # compile / warm
-        cold = _median_call_s(kernel, node.xs, node.logits, calls, hot=False)
+        cold = cold_call_s(kernel, node.xs, node.logits, calls)
         hot = _median_call_s(kernel, node.xs, node.logits, calls, hot=True)
         rows.append({"threads": n, "stream_gbs": stream / 1e9, "cold_ms": cold * 1e3, "hot_ms": hot * 1e3,
                      "cold_gbs": node.nbytes / cold / 1e9, "hot_gbs": node.nbytes / hot / 1e9})

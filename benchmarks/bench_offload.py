@@ -14,7 +14,10 @@ slot count, and measures decode with every step's routing replaced by such a tra
 --trace-tokens). (A decode rate projected from the random run's costs at the trace's hit rate was dropped: it added
 CPU and device seconds that the decode paths overlap, and projected slower decode at higher hit rates.) Each
 decode point also reports how the miss policy split the misses (CPU / copied into spare slots) and
-the pinned staging ring's size and high-water mark.
+the pinned staging ring's size and high-water mark. The CPU decode kernels alone are measured once at the start
+(cpu_calibration: the model's first expert node, cold, at the engine's thread count; next to B_dram), and each point
+whose CPU kernels ran under the decode path cpu or both gives their rate against it (cpu_kernels): the CPU kernels'
+own rate moves from one host to the next, and the goal points with it.
 """
 
 from __future__ import annotations
@@ -214,16 +217,19 @@ def dense_reference(model: LoadedModel, infos, prompt: list[int], tokens: int, w
 
 
 def trace_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int, switch_every: int,
-                 bounds: "Bounds") -> dict:
+                 bounds: "Bounds", calibration: float) -> dict:
     """Decode with every step routed by a realistic trace (TraceRouting): tokens/s after `warmup` trace-routed
-    tokens (placement adapts to the trace meanwhile), next to the bound at the hit rate reached (Bounds.trace)."""
+    tokens (placement adapts to the trace meanwhile), next to the bound at the hit rate reached (Bounds.trace), with
+    its CPU kernels' rate against `calibration` (cpu_kernels)."""
     rate = traced_decode(model, prompt, tokens, warmup, seed=5, switch_every=switch_every)
     stats, profile, state = model.offload.stats.totals(), model.decoder.profile, model.offload.copy_state()
     figure = {"value": rate, "hit_rate": stats.hit_rate, "dense_s_per_token": profile["dense_s"] / profile["steps"]}
+    path = path_run(model, state["decode_path"])
     return {**figure, "unit": "tokens/s", "reference": "bound at the hit rate reached (as for random routing)",
             **bounds.trace(figure), "misses_cpu": stats.misses_cpu,
             "misses_copied": stats.misses_copied, "misses_read": stats.misses_read, "swaps": stats.swaps,
-            "placement": state.get("placement"), "decode_path": path_run(model, state["decode_path"]),
+            "placement": state.get("placement"), "decode_path": path,
+            **cpu_kernels(cpu_rate_in_force(model.offload), path, stats.misses_cpu, calibration),
             "copy_reuse": model.offload.copy_reuse.value,
             "trace": f"engine.offload.traces.realistic_trace seed 5, {counted(warmup, 'warm-up token')}, {tokens} "
                      f"timed, a topic switch every {switch_every}"}
@@ -418,6 +424,71 @@ def host_probe_us(spec, rounds: int = 300) -> float:
     return median_seconds(work, rounds, warmup=20) * 1e6  # the warm-up: compiled and warm
 
 
+def cpu_calibration(path: Path, cpu_threads: int, calls: int = 60) -> dict:
+    """The CPU decode kernels alone on the model's first expert node, cold (bench_cpu_scaling's cold figure: every
+    expert comes back only after all the others), at the engine's thread count (KernelThreads: `cpu_threads`, 0 the
+    cores other processes leave, every core on an idle host): what this host's kernels do by themselves, measured in
+    the run whose points' CPU rates are read against it (cpu_kernels). A goal point moved from one GPU host to the next
+    with the kernels' own rate (NOTES-overhead.md, seventieth session). Bytes as the engine's rates count them: the
+    experts as stored. `seconds`: what it took, the model's graph read, the count's settling and the kernels' first
+    call included."""
+    from benchmarks.bench_cpu_scaling import cold_call_s
+    from benchmarks.bench_qmoe_cpu import cold_decode_inputs
+    from engine.expert_node import CpuExpertNode
+    from engine.kernel_threads import KernelThreads
+    from engine.model_folder import ModelFolder
+
+    started, meter = time.perf_counter(), HostLoadMeter()
+    folder = ModelFolder.open(path)
+    info = folder.experts[0]
+    count = KernelThreads([], cpu_threads)
+    count.settle()  # the automatic count: the cores other processes leave (all, on an idle host), as the engine's
+    spec, threads = info.spec, count.in_force
+    logits, xs = cold_decode_inputs(spec.num_experts, spec.hidden_size, spec.k)
+    call_s = cold_call_s(CpuExpertNode(info, folder.onnx, threads).kernel, xs, logits, calls)
+    load = meter.read()
+    return {"bytes_per_s": spec.k * info.bytes_per_expert / call_s, "call_s": call_s, "node": info.name,
+            "threads": threads, "calls": calls, "seconds": time.perf_counter() - started, "host": load.describe(),
+            **load.as_dict()}
+
+
+def calibration_words(calibration: dict, b_dram: float) -> str:
+    """'CPU kernels alone: 101.6 GB/s = 80% of B_dram (127.4 GB/s; node ..., cold routing, 16 threads, 0.614 ms a
+    call, median of 60; took 1.2 s; steal 0.0%, other processes 0.3% of the CPUs' time)' against `b_dram`."""
+    alone = calibration["bytes_per_s"]
+    return (f"CPU kernels alone: {alone / 1e9:.1f} GB/s = {alone / b_dram:.0%} of B_dram ({b_dram / 1e9:.1f} GB/s; "
+            f"node {calibration['node']}, cold routing, {counted(calibration['threads'], 'thread')}, "
+            f"{calibration['call_s'] * 1e3:.3f} ms a call, median of {calibration['calls']}; "
+            f"took {calibration['seconds']:.1f} s; {calibration['host']})")
+
+
+def cpu_rate_in_force(offload) -> dict:
+    """The CPU kernels' rate the engine holds for the decode path in force: the split's under "both" (from its
+    parts), else the CPU path's calls'."""
+    rate = offload.split_cpu_rate if offload.splits_cold else offload.cpu_rate
+    return {"bytes_per_s": rate.value, "fixed_s": rate.fixed_s, "average_bytes_per_s": rate.average}
+
+
+def cpu_kernels(rate: dict, path: dict, misses_cpu: int, calibration: float) -> dict:
+    """{"cpu_kernels": `rate` (cpu_rate_in_force after a point's timed steps) with its average's ratio to the
+    run's `calibration` (cpu_calibration's bytes a second)} under the decode path cpu or both where the timed steps
+    computed experts on the CPU (`misses_cpu`); {} elsewhere, where the rate is an earlier point's. The average, not
+    the fit's rate of one more miss: bytes over seconds of whole calls, as the calibration's."""
+    if path.get("in_force") not in ("cpu", "both") or not misses_cpu or rate["average_bytes_per_s"] is None:
+        return {}
+    return {"cpu_kernels": {**rate, "average_to_calibration": rate["average_bytes_per_s"] / calibration}}
+
+
+def cpu_kernels_words(figure: dict) -> str:
+    """' (CPU kernels 47 GB/s + 90 µs a call, average 40 GB/s = 39% of them alone)' where a decode figure has its
+    CPU kernels (cpu_kernels); else ''."""
+    if "cpu_kernels" not in figure:
+        return ""
+    rate = figure["cpu_kernels"]
+    return (f" (CPU kernels {rate['bytes_per_s'] / 1e9:.0f} GB/s + {rate['fixed_s'] * 1e6:.0f} µs a call, average "
+            f"{rate['average_bytes_per_s'] / 1e9:.0f} GB/s = {rate['average_to_calibration']:.0%} of them alone)")
+
+
 def engine_after_decode(model: LoadedModel) -> tuple[dict, dict]:
     """What the engine holds once a point's timed decode is over, for the point's figure (the first dict) and line:
     read before the point's prefill, profiled steps and trace decodes, which go on measuring and re-plan (the traces'
@@ -426,14 +497,12 @@ def engine_after_decode(model: LoadedModel) -> tuple[dict, dict]:
     force (the split's under "both", from its parts; else the CPU path's calls')."""
     offload = model.offload
     groups = offload.streaming.groups
-    rate = offload.split_cpu_rate if offload.splits_cold else offload.cpu_rate
     return ({"cpu_rate": offload.cpu_rate.value, "cpu_fixed_s": offload.cpu_rate.fixed_s,
              "cpu_average_rate": offload.cpu_rate.average, "miss_slots_per_layer": list(offload.policy.miss_slots),
              "copy_prepare_s": getattr(offload.stores[0], "prepare_s", None), "copy_reuse": offload.copy_reuse.value,
              "pinned": offload.pinned_info(), "streaming_slots": [group.num_slots for group in groups],
              "streaming_prepare_s": [group.prepare_s for group in groups],
-             "streaming_launch_s": [group.launch_s for group in groups]},
-            {"bytes_per_s": rate.value, "fixed_s": rate.fixed_s, "average_bytes_per_s": rate.average})
+             "streaming_launch_s": [group.launch_s for group in groups]}, cpu_rate_in_force(offload))
 
 
 def layer_overhead(profile: dict, stats, layers: int) -> float | None:
@@ -543,6 +612,8 @@ def main() -> None:
     b_pcie, b_hbm = device.bandwidths.pcie, device.bandwidths.hbm
     print(f"B_dram reads: {dram.words()}; every bound takes the run's highest (read again after each fraction's timed "
           f"decode), B_pcie {b_pcie / 1e9:.1f} GB/s, B_hbm {b_hbm / 1e9:.0f} GB/s", flush=True)
+    calibration = cpu_calibration(path, args.cpu_threads)  # before the models load: nothing of the run's beside it
+    print(calibration_words(calibration, dram.highest), flush=True)
 
     model = LoadedModel.open(path, offload=OffloadConfig(device_expert_bytes=0, cpu_threads=args.cpu_threads), device=device)
     model.offload.cpu_rate.fit = not args.cpu_average_rate
@@ -599,6 +670,7 @@ def main() -> None:
         state = model.offload.copy_state()  # the trials' outcomes (the traces below re-plan)
         held, cpu_in_force = engine_after_decode(model)
         split, path = state["layer_split"], path_run(model, state["decode_path"])
+        kernels = cpu_kernels(cpu_in_force, path, stats.misses_cpu, calibration["bytes_per_s"])
         parts = overhead_breakdown(step_rows, len(infos), args.device == "simulated",
                                    stats.device_s / max(1, profile["steps"] * len(infos)))
         overhead = layer_overhead(profile, stats, len(infos))
@@ -632,7 +704,7 @@ def main() -> None:
                 if not every:
                     model.offload.reconfigure(config.updated(placement=placement))
                 traced[placement] = trace_decode(model, short_prompt, args.trace_tokens, args.trace_warmup,
-                                                 args.trace_switch_every, bounds)
+                                                 args.trace_switch_every, bounds, calibration["bytes_per_s"])
                 figures.append({"name": f"decode tokens/s on a realistic routing trace (measured), {label}"
                                         + ("" if every else f", {placement} placement"), **traced[placement]})
             model.offload.reconfigure(config)
@@ -645,7 +717,7 @@ def main() -> None:
              "host_probe_us": probe,
              "misses_cpu": stats.misses_cpu, "misses_copied": stats.misses_copied, "miss_copies": stats.miss_copies,
              "misses_read": stats.misses_read, "decode_path": path,
-             **held, "layer_split": split},
+             **held, "layer_split": split, **kernels},
             {"name": f"prefill tokens/s ({args.prefill_tokens}-token prompt), {label}", "value": prefill,
              "unit": "tokens/s", "reference": "all-CPU prefill", "reference_value": cpu_prefill,
              "ratio": prefill / cpu_prefill, "split": prefill_split},
@@ -676,9 +748,7 @@ def main() -> None:
               f"prefill {prefill:7.0f} tok/s (CPU {cpu_prefill:.0f})  {overhead_words(overhead)}  "
               f"trace hit {trace_h:.2f}  misses cpu/copied {stats.misses_cpu}/{stats.misses_copied}"
               + f"/read {stats.misses_read}" + path_text(path)
-              + (f" (CPU kernels {cpu_in_force['bytes_per_s'] / 1e9:.0f} GB/s + {cpu_in_force['fixed_s'] * 1e6:.0f} µs"
-                 f" a call, average {cpu_in_force['average_bytes_per_s'] / 1e9:.0f} GB/s)"
-                 if cpu_in_force["bytes_per_s"] and stats.misses_cpu else "")  # (else an earlier point's rate)
+              + cpu_kernels_words(kernels)
               + f", miss slots {max(held['miss_slots_per_layer'], default=0)} of {slots} per layer"
               + split_text(split)
               + "".join(f", {counted(n, 'streaming slot')} ({prepare * 1e6:.0f} µs to issue a copy, "
@@ -700,7 +770,7 @@ def main() -> None:
                   f"(bound {fig['reference_value']:.1f}: {fig['ratio']:.0%}), hit {fig['hit_rate']:.2f}, misses "
                   f"cpu/copied/read {fig['misses_cpu']}/{fig['misses_copied']}/{fig['misses_read']}, swaps "
                   f"{fig['swaps']}{judge_words(fig['placement'])}" + path_text(fig["decode_path"])
-                  + split_words(fig["decode_path"].get("cold_split")), flush=True)
+                  + split_words(fig["decode_path"].get("cold_split")) + cpu_kernels_words(fig), flush=True)
         print("       prefill s: " + ", ".join(f"{k} {v:.2f}" for k, v in prefill_split.items()), flush=True)
         print("       per layer µs: " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items() if k != "step")
               + f" (step {parts['step'] * len(infos) / 1e3:.2f} ms)", flush=True)
@@ -724,13 +794,16 @@ def main() -> None:
                             expert_bytes=model.folder.expert_bytes, bytes_per_expert=per_expert,
                             bandwidths={"dram": dram.highest, "dram_reads": dram.reads, "pcie": b_pcie, "hbm": b_hbm,
                                         "cpu_engine": device.bandwidths.cpu},
+                            calibration={**calibration, "ratio_to_b_dram": calibration["bytes_per_s"] / dram.highest},
                             pinned=model.offload.pinned_info(), dtype=args.dtype,
                             dense_device=model.dense_device, dense_reason=model.dense_reason,
                             host_registration=registration.describe() if registration is not None else
                             "off (--no-host-register)" if args.no_host_register else None)
     if printed_on is not None and dram.highest > printed_on:
-        print(f"B_dram reads: {dram.words()}; the highest came after earlier points were printed: the decode figures "
-              f"on it (as written):", flush=True)
+        alone = calibration["bytes_per_s"]
+        print(f"B_dram reads: {dram.words()}; the highest came after earlier points were printed (the CPU kernels "
+              f"alone, {alone / 1e9:.1f} GB/s, are {alone / dram.highest:.0%} of it): the decode figures on it (as "
+              f"written):", flush=True)
         for figure in figures:
             if figure["name"].startswith("decode tokens/s") and figure.get("reference_value"):
                 capped = f", dense-capped at most {figure['ratio_dense_capped']:.0%}" \

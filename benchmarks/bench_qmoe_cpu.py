@@ -210,10 +210,16 @@ def cold_decode_node(shape: str) -> ColdDecodeNode:
     attrs, tensors = make_layout_weights("int4", E, H, I)
     attrs["k"] = K
     spec = QMoESpec.from_tensors("bench/QMoE", "QMoE", attrs, tensors, (1, H))
+    logits, xs = cold_decode_inputs(E, H, K)
+    return ColdDecodeNode(spec, tensors, logits, xs, K * spec.expert_bytes(scale_bytes=4, bias_bytes=4))
+
+
+def cold_decode_inputs(E: int, H: int, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """The router logits [n, 1, E] of a cold decode routing (decode_routings cold) over E experts, top-K, and
+    activations [n, 1, H], one decode call each (cold_decode_node's, and bench_offload's calibration on a model's)."""
     rng = np.random.default_rng(1)
     logits, _ = decode_routings(rng, E, K, cold=True)
-    xs = rng.standard_normal((len(logits), 1, H)).astype(np.float32)
-    return ColdDecodeNode(spec, tensors, logits, xs, K * spec.expert_bytes(scale_bytes=4, bias_bytes=4))
+    return logits, rng.standard_normal((len(logits), 1, H)).astype(np.float32)
 
 
 def min_reuse_calls(sets) -> int:

@@ -167,7 +167,8 @@ def test_a_trace_point_reports_the_swaps_the_judge_and_the_split_of_its_own_deco
         device_expert_bytes=all_resident_bytes(model.folder.experts) // 2))
     dram = DramReads(0.0)
     dram.add("a read", 50e9)
-    figure = trace_decode(model, [5, 6, 7], 6, 4, 3, Bounds(dram, w_act=1e6, b_pcie=50e9, b_hbm=4e12, dense_ref=1e-3))
+    figure = trace_decode(model, [5, 6, 7], 6, 4, 3, Bounds(dram, w_act=1e6, b_pcie=50e9, b_hbm=4e12, dense_ref=1e-3),
+                          calibration=1e9)
     assert figure["trace"].endswith("4 warm-up tokens, 6 timed, a topic switch every 3")
     totals, state = model.offload.stats.totals(), model.offload.copy_state()
     assert figure["swaps"] == totals.swaps and figure["hit_rate"] == totals.hit_rate
@@ -290,6 +291,10 @@ def test_every_bound_takes_the_highest_dram_read_of_the_run_taken_after_each_fra
     assert "the bounds take the run's highest so far, 70.0 GB/s\n" in printed
     # the 0% point was printed on 50 GB/s: its figure again, as written, at the end
     summary = printed[printed.index("the highest came after earlier points were printed"):]
+    alone = result["calibration"]["bytes_per_s"]  # the CPU kernels alone, against the highest read as written
+    assert result["calibration"]["ratio_to_b_dram"] == pytest.approx(alone / 70e9)
+    assert summary.startswith(f"the highest came after earlier points were printed (the CPU kernels alone, "
+                              f"{alone / 1e9:.1f} GB/s, are {alone / 70e9:.0%} of it): ")
     assert f"{zero['ratio']:4.0%} of {zero['reference_value']:.1f} tok/s  {zero['name']}\n" in summary
 
 
@@ -382,4 +387,62 @@ def test_a_points_cpu_rates_and_copy_reuse_are_the_engines_after_its_timed_decod
     assert not any("CPU kernels" in line for line in printed if line.startswith(" 100%  decode"))
     line = next(line for line in printed if line.startswith("  50%  decode"))
     assert (f"(CPU kernels {left[1][0] / 1e9:.0f} GB/s + {left[1][1] * 1e6:.0f} µs a call, average "
-            f"{left[1][2] / 1e9:.0f} GB/s)") in line
+            f"{left[1][2] / 1e9:.0f} GB/s") in line
+
+
+def test_the_cpu_kernels_alone_are_measured_once_at_the_start_and_each_cpu_points_rate_is_read_against_them(
+        tmp_path, monkeypatch, capsys):
+    """A goal point moves from one GPU host to the next with the CPU kernels' own rate (NOTES-overhead.md, seventieth
+    session). The run measures the kernels alone on the model's first expert node, cold, at the engine's thread count,
+    before the models load; the result file's "calibration" and the start's line give it against B_dram, and each
+    point under the decode path cpu (random routing and trace) its CPU kernels' average against it."""
+    import benchmarks.bench_offload as bench
+    from engine.kernel_threads import KernelThreads
+    from tests.test_offload import SPEC
+
+    events = []  # the calibration and the models' loads, in order
+    calibrate, load = bench.cpu_calibration, bench.LoadedModel.open
+
+    def calibration(*args, **kwargs):
+        events.append("calibration")
+        return calibrate(*args, **kwargs)
+
+    def open_model(*args, **kwargs):
+        events.append("load")
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "cpu_calibration", calibration)
+    monkeypatch.setattr(bench.LoadedModel, "open", open_model)
+    result = run_bench(tmp_path, monkeypatch, [40.0, 40.0, 40.0], "--fractions", "0.5,1", "--decode-path", "cpu",
+                       "--cpu-threads", "1")
+    assert events == ["calibration", "load", "load"]  # the hybrid model and the all-CPU one
+    entry = result["calibration"]
+    assert entry["threads"] == KernelThreads([], 1).in_force == 1 and entry["calls"] == 60
+    # bytes as the engine's rates count them: a call's top-k experts as stored, over its median seconds
+    alone = entry["bytes_per_s"]
+    assert alone == pytest.approx(SPEC.top_k * result["bytes_per_expert"] / entry["call_s"])
+    assert alone > 0 and 0 < entry["seconds"] < 60
+    assert entry["ratio_to_b_dram"] == pytest.approx(alone / 40e9)
+    decodes = {figure["name"]: figure for figure in result["figures"] if figure["name"].startswith("decode tokens/s")}
+    half = [figure for name, figure in decodes.items() if "50% resident" in name]
+    assert len(half) == 3  # random routing, and the trace under adaptive and static placement
+    point = decodes["decode tokens/s, gpt-oss-20b-like, 50% resident"]
+    assert point["misses_cpu"] > 0
+    for figure in half:
+        assert figure["decode_path"]["in_force"] == "cpu"
+        if not figure["misses_cpu"]:  # copies into spare slots took every miss of a trace's timed steps
+            assert "cpu_kernels" not in figure
+            continue
+        kernels = figure["cpu_kernels"]
+        assert kernels["average_bytes_per_s"] > 0 and kernels["average_to_calibration"] > 0
+        assert kernels["average_to_calibration"] == pytest.approx(kernels["average_bytes_per_s"] / alone)
+    assert point["cpu_kernels"]["average_bytes_per_s"] == point["cpu_average_rate"]  # the CPU path's calls
+    # every expert resident: no CPU kernel ran in the timed steps, and no rate is read against the calibration
+    assert not any("cpu_kernels" in figure for name, figure in decodes.items() if "100% resident" in name)
+    printed = capsys.readouterr().out
+    assert (f"\nCPU kernels alone: {alone / 1e9:.1f} GB/s = {alone / 40e9:.0%} of B_dram (40.0 GB/s; node "
+            f"{entry['node']}, cold routing, 1 thread, {entry['call_s'] * 1e3:.3f} ms a call, median of 60; "
+            f"took {entry['seconds']:.1f} s; {entry['host']})\n") in printed
+    ratio = point["cpu_kernels"]["average_to_calibration"]
+    line = next(line for line in printed.splitlines() if line.startswith("  50%  decode"))
+    assert f" GB/s = {ratio:.0%} of them alone)" in line
