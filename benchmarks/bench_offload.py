@@ -739,12 +739,13 @@ def main() -> None:
              "ratio": trace_h / h if h else None},
         ]
         bounds.rebase(figures)  # the earlier points' on this point's reads where one came out higher
-        other_bounds = f"; misses on the CPU only {decoded['bound_misses_on_cpu_only']:.1f}" if slots == 0 else ""
+        other_bounds = (f"; misses on the CPU only {decoded['bound_misses_on_cpu_only']:.1f}: "
+                        f"{decoded['ratio_to_cpu_only_bound']:.0%}" if slots == 0 else "")
         if h < 1:
             other_bounds += (f"; on the tier only {decoded['bound_misses_on_tier_only']:.1f}: "
                              f"{decoded['ratio_to_tier_only_bound']:.0%}")
         print(f"{fraction:5.0%}  decode {decoded['value']:7.1f} tok/s "
-              f"(bound {decoded['reference_value']:7.1f}{other_bounds}, hit {h:.2f}{decoded_spread(decoded)}, host probe {probe:.1f} µs)  "
+              f"(bound {decoded['reference_value']:7.1f}: {decoded['ratio']:.0%}{other_bounds}, hit {h:.2f}{decoded_spread(decoded)}, host probe {probe:.1f} µs)  "
               f"prefill {prefill:7.0f} tok/s (CPU {cpu_prefill:.0f})  {overhead_words(overhead)}  "
               f"trace hit {trace_h:.2f}  misses cpu/copied {stats.misses_cpu}/{stats.misses_copied}"
               + f"/read {stats.misses_read}" + path_text(path)

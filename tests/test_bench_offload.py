@@ -446,3 +446,17 @@ def test_the_cpu_kernels_alone_are_measured_once_at_the_start_and_each_cpu_point
     ratio = point["cpu_kernels"]["average_to_calibration"]
     line = next(line for line in printed.splitlines() if line.startswith("  50%  decode"))
     assert f" GB/s = {ratio:.0%} of them alone)" in line
+
+
+def test_a_points_line_gives_its_ratio_to_each_of_its_bounds(tmp_path, monkeypatch, capsys):
+    """A point's line gave its bound with no ratio and only the tier-only bound's ratio after it ('bound 71.8; misses
+    on the CPU only 44.0; on the tier only 65.1: 33%'), which read as the point's ratio to its bound. Each bound has
+    its ratio beside it, as the trace lines' and the end's summary have."""
+    result = run_bench(tmp_path, monkeypatch, [40.0, 40.0], "--fractions", "0", "--trace-tokens", "0")
+    point = next(figure for figure in result["figures"] if figure["name"].startswith("decode tokens/s"))
+    assert point["hit_rate"] == 0.0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("   0%  decode"))
+    assert (f"decode {point['value']:7.1f} tok/s (bound {point['reference_value']:7.1f}: {point['ratio']:.0%}; misses "
+            f"on the CPU only {point['bound_misses_on_cpu_only']:.1f}: {point['ratio_to_cpu_only_bound']:.0%}; on the "
+            f"tier only {point['bound_misses_on_tier_only']:.1f}: {point['ratio_to_tier_only_bound']:.0%}, hit 0.00, "
+            ) in line
