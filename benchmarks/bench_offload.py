@@ -747,8 +747,8 @@ def main() -> None:
         print(f"{fraction:5.0%}  decode {decoded['value']:7.1f} tok/s "
               f"(bound {decoded['reference_value']:7.1f}: {decoded['ratio']:.0%}{other_bounds}, hit {h:.2f}{decoded_spread(decoded)}, host probe {probe:.1f} µs)  "
               f"prefill {prefill:7.0f} tok/s (CPU {cpu_prefill:.0f})  {overhead_words(overhead)}  "
-              f"trace hit {trace_h:.2f}  misses cpu/copied {stats.misses_cpu}/{stats.misses_copied}"
-              + f"/read {stats.misses_read}" + path_text(path)
+              f"trace hit {trace_h:.2f}  misses cpu/copied/read {stats.misses_cpu}/{stats.misses_copied}/"
+              f"{stats.misses_read}" + path_text(path)
               + cpu_kernels_words(kernels)
               + f", miss slots {max(held['miss_slots_per_layer'], default=0)} of {slots} per layer"
               + split_text(split)

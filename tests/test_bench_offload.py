@@ -451,7 +451,8 @@ def test_the_cpu_kernels_alone_are_measured_once_at_the_start_and_each_cpu_point
 def test_a_points_line_gives_its_ratio_to_each_of_its_bounds(tmp_path, monkeypatch, capsys):
     """A point's line gave its bound with no ratio and only the tier-only bound's ratio after it ('bound 71.8; misses
     on the CPU only 44.0; on the tier only 65.1: 33%'), which read as the point's ratio to its bound. Each bound has
-    its ratio beside it, as the trace lines' and the end's summary have."""
+    its ratio beside it, as the trace lines' and the end's summary have; its misses are counted as the trace lines
+    count theirs."""
     result = run_bench(tmp_path, monkeypatch, [40.0, 40.0], "--fractions", "0", "--trace-tokens", "0")
     point = next(figure for figure in result["figures"] if figure["name"].startswith("decode tokens/s"))
     assert point["hit_rate"] == 0.0
@@ -460,3 +461,6 @@ def test_a_points_line_gives_its_ratio_to_each_of_its_bounds(tmp_path, monkeypat
             f"on the CPU only {point['bound_misses_on_cpu_only']:.1f}: {point['ratio_to_cpu_only_bound']:.0%}; on the "
             f"tier only {point['bound_misses_on_tier_only']:.1f}: {point['ratio_to_tier_only_bound']:.0%}, hit 0.00, "
             ) in line
+    # the misses as the trace lines give them: 'misses cpu/copied 0/0/read 256' read as a third count of two names
+    assert (f"  misses cpu/copied/read {point['misses_cpu']}/{point['misses_copied']}/{point['misses_read']}, "
+            f"decode path ") in line
