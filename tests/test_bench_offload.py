@@ -310,8 +310,12 @@ def test_the_per_layer_overhead_is_given_only_where_no_expert_ran_on_the_cpu_in_
 
     # the expert nodes took 10 ms over 4 steps of 2 layers, the CPU's share 12 ms of it beside the GPU's reads
     profile = {"experts_s": 0.010, "steps": 4}
-    assert layer_overhead(profile, SimpleNamespace(misses_cpu=40, cpu_s=0.012, wait_s=0.001), 2) is None
-    assert layer_overhead(profile, SimpleNamespace(misses_cpu=0, cpu_s=0.0, wait_s=0.002), 2) == pytest.approx(1e-3)
+    assert layer_overhead(profile, SimpleNamespace(misses_cpu=40, cpu_s=0.012, wait_s=0.001, standin_s=0.0), 2) is None
+    assert layer_overhead(profile, SimpleNamespace(misses_cpu=0, cpu_s=0.0, wait_s=0.002, standin_s=0.0), 2) == \
+        pytest.approx(1e-3)
+    # the simulated device's "device" experts, computed by the CPU kernels at their launch: device time, not overhead
+    assert layer_overhead(profile, SimpleNamespace(misses_cpu=0, cpu_s=0.0, wait_s=0.0, standin_s=0.006), 2) == \
+        pytest.approx(0.5e-3)
 
     result = run_bench(tmp_path, monkeypatch, [40.0, 40.0, 40.0], "--fractions", "0.5,1", "--decode-path", "cpu",
                        "--trace-tokens", "0")
