@@ -613,7 +613,8 @@ def main() -> None:
     dram.read("the benchmark's, at the start")
     b_pcie, b_hbm = device.bandwidths.pcie, device.bandwidths.hbm
     print(f"B_dram reads: {dram.words()}; every bound takes the run's highest (read again after each fraction's timed "
-          f"decode), B_pcie {b_pcie / 1e9:.1f} GB/s, B_hbm {b_hbm / 1e9:.0f} GB/s", flush=True)
+          f"decode), B_pcie {b_pcie / 1e9:.1f} GB/s, B_hbm {b_hbm / 1e9:.0f} GB/s"
+          + (" (assumed, not measured: the GPU is simulated)" if args.device == "simulated" else ""), flush=True)
     calibration = cpu_calibration(path, args.cpu_threads)  # before the models load: nothing of the run's beside it
     print(calibration_words(calibration, dram.highest), flush=True)
 
