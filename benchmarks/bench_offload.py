@@ -758,7 +758,9 @@ def main() -> None:
               + "".join(f", {counted(n, 'streaming slot')} ({prepare * 1e6:.0f} µs to issue a copy, "
                         f"{launch * 1e6:.0f} to launch and merge)" for n, prepare, launch in
                         zip(held["streaming_slots"], held["streaming_prepare_s"], held["streaming_launch_s"]))
-              + (f", later hits per copy {held['copy_reuse']:.2f}" if held["copy_reuse"] is not None else ""),
+              # (at every expert resident nothing is copied: the reuse an earlier fraction's copies earned)
+              + (f", later hits per copy {held['copy_reuse']:.2f}"
+                 if held["copy_reuse"] is not None and not all_resident(model) else ""),
               flush=True)
         busiest = max(loads, key=lambda load: load.steal + load.others)
         threads = model.decoder.kernel_threads.state()  # the automatic count follows other processes' load

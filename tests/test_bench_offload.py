@@ -343,7 +343,8 @@ def test_at_every_expert_resident_the_points_say_no_decode_path_ran(tmp_path, mo
     """At 100% resident no expert is cold, so no decode path runs; the point's line and its trace line said "decode
     path cpu (no host tier)" (the path in force), which reads as decoding on the CPU, and the result file recorded
     "cpu". They say that no decode path ran and record "all resident", as bench_offload_ab and the engine's run records
-    do; below that fraction the path in force still."""
+    do; below that fraction the path in force still. The point's line gave the later hits per copy an earlier
+    fraction's copies earned: none at every expert resident."""
     from engine.records.schema import ALL_RESIDENT
 
     result = run_bench(tmp_path, monkeypatch, [40.0, 40.0, 40.0], "--fractions", "0.5,1", "--decode-path", "cpu")
@@ -359,6 +360,8 @@ def test_at_every_expert_resident_the_points_say_no_decode_path_ran(tmp_path, mo
     every = printed[printed.index("\n 100%  decode"):]
     assert every.count("every expert resident: no decode path ran") == 2  # the point's line and its trace line
     assert "decode path" not in every.replace("no decode path ran", "")
+    # nor the reuse the 50% point's copies earned: nothing is copied at every expert resident
+    assert "later hits per copy" not in every
     assert printed.count(", decode path cpu (no host tier)") == 3  # 50%: the point and its two placements' traces
 
 
