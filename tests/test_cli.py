@@ -1052,11 +1052,16 @@ def test_records_multiturn_past_the_context_does_not_say_to_start_a_new_conversa
 
 
 def test_contention_multiturn_past_the_context_does_not_say_to_start_a_new_conversation(copy_fixture, tmp_path,
-                                                                                        capsys):
+                                                                                        capsys, monkeypatch):
     """As record's (above): contention's multiturn inference whose answers filled the model's context ended in the
-    chat's "...: start a new conversation", which the test cannot do; it says what leaves the turns more room."""
+    chat's "...: start a new conversation", which the test cannot do; it says what leaves the turns more room. It
+    said so only after the untimed indexing warm-up had indexed the whole corpus (minutes on the default one): the
+    inference warms up first now, and no indexing runs before the refusal."""
+    import engine.records.contention as contention
     from engine.records.contention import make_corpus
 
+    indexed = []
+    monkeypatch.setattr(contention, "index_folder", lambda folder, workers: indexed.append(folder) or (2, 0.1))
     folder = copy_fixture("gptoss")
     config = json.loads((folder / "genai_config.json").read_text())
     config["model"]["context_length"] = 80
@@ -1068,6 +1073,7 @@ def test_contention_multiturn_past_the_context_does_not_say_to_start_a_new_conve
         r"moe-workbench: error: multiturn: the conversation so far \(\d+ tokens\) and this message \(\d+\) come to "
         r"\d+ tokens, past the model's context of 80 \(a smaller --max-new-tokens leaves the scenario's turns more "
         r"room\)", err.splitlines()[-1]), err
+    assert indexed == []
 
 
 def test_contention_refuses_the_long_input_on_a_short_context_before_any_indexing(tmp_path, capsys, monkeypatch):

@@ -944,6 +944,18 @@ def test_the_contention_view_names_the_scenario_that_ran_not_the_one_chosen_sinc
     assert jobs[0].scenario == "short" and view.table.item(1, 0).text() == "inference (short)"
 
 
+def test_the_contention_view_names_the_inference_warm_up_as_the_phase_that_runs_first(qtbot, tmp_path):
+    """With a corpus given the test starts at its first warm-up, which is the inference's (a multiturn scenario past the
+    context is refused there, before any indexing): the bar said "Warming up: indexing…" meanwhile."""
+    from app.gui.contention_view import ContentionView
+
+    view = ContentionView()
+    qtbot.addWidget(view)
+    view.corpus.setText(str(tmp_path))
+    view.run()
+    assert view.bar.status.text() == "Warming up: inference…"
+
+
 def test_the_contention_tables_give_a_fast_answers_time_in_figures_that_tell_it(qtbot):
     """The report's table and the window's gave times with two decimals: a small model's inference in 4 ms read
     "0.00 s" alone and together. They give them as every other time is (units.seconds_figures)."""
@@ -962,11 +974,17 @@ def test_the_contention_tables_give_a_fast_answers_time_in_figures_that_tell_it(
 
 
 def test_the_windows_record_and_contention_test_past_the_context_do_not_say_to_start_a_new_conversation(
-        copy_fixture, tmp_path):
+        copy_fixture, tmp_path, monkeypatch):
     """A multiturn Record or contention test whose answers filled the model's context ended in the chat's "...: start a
-    new conversation", which neither can do; they say what leaves the turns more room, as `record` does."""
+    new conversation", which neither can do; they say what leaves the turns more room, as `record` does. The contention
+    test said so only after its untimed indexing warm-up (minutes on the default corpus): no indexing runs before it
+    now, the inference warming up first."""
+    import engine.records.contention as contention
     from app.gui.records_jobs import ContentionJob, ScenarioJob
     from engine.errors import PromptError
+
+    indexed = []
+    monkeypatch.setattr(contention, "index_folder", lambda folder, workers: indexed.append(folder) or (2, 0.1))
 
     folder = copy_fixture("gptoss")
     config = json.loads((folder / "genai_config.json").read_text())
@@ -981,6 +999,7 @@ def test_the_windows_record_and_contention_test_past_the_context_do_not_say_to_s
     with pytest.raises(PromptError) as raised:
         ContentionJob(corpus, 1, "multiturn", 30)(_sweep_context(model, None, []))
     assert re.fullmatch(said, str(raised.value)), raised.value
+    assert indexed == []
 
 
 def test_the_windows_contention_report_names_the_model_and_the_device(tmp_path):

@@ -1177,9 +1177,10 @@ def test_cli_record_sweep_history_contention(tmp_path, cli):
     assert "progress" not in contention.stdout and contention.stderr.splitlines()[-1] == "contention: done"
 
 
-def test_sweep_and_contention_stop_when_cancelled(tmp_path):
+def test_sweep_and_contention_stop_when_cancelled(tmp_path, monkeypatch):
     import threading
 
+    import engine.records.contention as contention
     from engine.records.contention import ContentionCancelled
 
     device = SimulatedDevice(1 << 30)
@@ -1200,11 +1201,12 @@ def test_sweep_and_contention_stop_when_cancelled(tmp_path):
     assert stopped_at(cancelled.value).startswith("at budget share 50% (device_expert_bytes=")
     assert "point 2 of 3" in stopped_at(cancelled.value)
     corpus = make_corpus(tmp_path / "corpus", files=4, words_per_file=50)
-    calls, stop = [], threading.Event()
-    with pytest.raises(ContentionCancelled):  # cancelled during the first phase: stops before inference
+    calls, indexed, stop = [], [], threading.Event()
+    monkeypatch.setattr(contention, "index_folder", lambda folder, workers: indexed.append(folder) or (4, 0.1))
+    with pytest.raises(ContentionCancelled):  # cancelled during the first phase (the inference's warm-up)
         run_contention(lambda: calls.append(1) or 0.1, corpus, workers=1, progress=lambda fraction: stop.set(),
                        cancel=stop)
-    assert calls == []
+    assert calls == [1] and indexed == []  # stopped before any indexing
 
 
 def test_configurations_saved_from_two_threads_at_once_are_all_kept(tmp_path):
@@ -1282,7 +1284,7 @@ def test_the_contention_job_names_the_phase_that_runs(tmp_path, monkeypatch):
     ctx = jobs.JobContext(model, None, {}, threading.Event(), lambda fraction, text: shown.__setitem__(0, text),
                           lambda batch: None, None)
     jobs.ContentionJob(str(corpus), workers=1, max_new_tokens=4)(ctx)
-    assert ran[:4] == [("indexing", "warming up: indexing"), ("inference", "warming up: inference"),
+    assert ran[:4] == [("inference", "warming up: inference"), ("indexing", "warming up: indexing"),
                        ("indexing", "indexing alone"), ("inference", "inference alone")]
     assert sorted(ran[4:]) == [("indexing", "indexing and inference at once"),
                                ("inference", "indexing and inference at once")]

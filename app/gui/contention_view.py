@@ -13,7 +13,7 @@ from app.gui.job_bar import JobBar
 from app.gui.records_jobs import ContentionJob, ContentionResult
 from app.gui.widgets import AnswerLength
 from engine.errors import not_written
-from engine.records.contention import MAX_WORKERS, ContentionReport
+from engine.records.contention import MAX_WORKERS, ContentionReport, phase_after
 from engine.records.lengths import SCENARIO_TOKENS
 from engine.records.scenarios import SCENARIOS
 from engine.units import seconds_figures
@@ -95,7 +95,7 @@ class ContentionView(QWidget):
         self.result, self.ran_scenario = None, job.scenario
         self.save_button.setEnabled(False)
         self.table.clearContents()
-        self.bar.start("Preparing the corpus…" if job.corpus is None else "Warming up: indexing…")
+        self.bar.start("Preparing the corpus…" if job.corpus is None else phase_after(0.0).capitalize() + "…")
         self.jobRequested.emit(KIND, job)
 
     def on_progress(self, fraction: float, text: str) -> None:
