@@ -1213,7 +1213,8 @@ def _cmd_contention(args) -> int:
     report = run_contention(inference, corpus, args.workers, progress=_ProgressLine("contention"),
                             threads=model.decoder.kernel_threads.state, generation=generation_settings(params),
                             device_fallback=fallback[0] if fallback else None, model=str(model.folder.folder),
-                            device=getattr(device, "name", "cpu"), simulated=is_simulated(device))
+                            device=getattr(device, "name", "cpu"), simulated=is_simulated(device),
+                            scenario=args.scenario)
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.markdown(), end="")
     return 0
 

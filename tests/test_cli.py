@@ -525,6 +525,22 @@ def test_contention_answers_as_asked_and_its_report_says_how(tmp_path, capsys):
     assert status == 0 and "Answers: greedy, at most 2 tokens each." in out
 
 
+def test_contentions_report_names_the_scenario_its_inference_ran(tmp_path, capsys, monkeypatch):
+    """The report's inference row read "inference" whatever --scenario asked, and the JSON did not say it either: a
+    saved report of the multiturn chat's six answers read as one of the short question's single answer."""
+    import engine.records.contention as contention
+    from engine.records.contention import make_corpus
+
+    monkeypatch.setattr(contention, "index_folder", lambda folder, workers: (4, 0.5))  # the inference's row is read
+    corpus = make_corpus(tmp_path / "corpus", files=4, words_per_file=60)
+    run = ("contention", str(fixture_folder("gptoss")), "--corpus", str(corpus), "--max-new-tokens", "2")
+    status, out, _err = _main(capsys, *run, "--scenario", "multiturn")
+    assert status == 0 and re.search(r"^\| inference \(multiturn\) \| [0-9.]+ s \| [0-9.]+ s \| [0-9.]+x \|$", out,
+                                     re.MULTILINE), out
+    status, out, _err = _main(capsys, *run, "--json")
+    assert status == 0 and json.loads(out)["scenario"] == "short"
+
+
 def test_contentions_report_names_the_model_and_the_device_and_says_the_cpu_stands_in_for_a_simulated_card(tmp_path,
                                                                                                           capsys):
     """contention's report named neither the model nor the device; on the simulated GPU its inference times are the

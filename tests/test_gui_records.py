@@ -940,7 +940,7 @@ def test_the_contention_view_names_the_scenario_that_ran_not_the_one_chosen_sinc
     view.scenario.setCurrentText("short")
     view.run()
     view.scenario.setCurrentText("long")
-    view.on_finished(ContentionResult(ContentionReport(1, 12, 1.0, 2.0, 1.5, 3.0), "corpus"))
+    view.on_finished(ContentionResult(ContentionReport(1, 12, 1.0, 2.0, 1.5, 3.0, scenario=jobs[0].scenario), "corpus"))
     assert jobs[0].scenario == "short" and view.table.item(1, 0).text() == "inference (short)"
 
 
@@ -1004,7 +1004,8 @@ def test_the_windows_record_and_contention_test_past_the_context_do_not_say_to_s
 
 def test_the_windows_contention_report_names_the_model_and_the_device(tmp_path):
     """The command line's report opens with the model and the device it measured (and says the CPU stands in for a
-    simulated card); the one the window saves named neither, as its job did not pass them on."""
+    simulated card); the one the window saves named neither, as its job did not pass them on. Its inference row read
+    "inference" whichever scenario ran, where the window's table says "inference (short)"."""
     from app.gui.records_jobs import ContentionJob
 
     corpus = str(make_corpus(tmp_path / "corpus", files=4, words_per_file=60))
@@ -1017,6 +1018,7 @@ def test_the_windows_contention_report_names_the_model_and_the_device(tmp_path):
         "card's experts too, standing in for it: the inference times are the CPU's, not the card's.\n\n| workload |")
     assert (report.model, report.device, report.simulated) == (
         str(fixture_folder("gptoss").resolve()), "simulated GPU, 1.0 GiB", True)
+    assert report.markdown().splitlines()[5].startswith("| inference (short) | ")
     lfm2 = LoadedModel.open(fixture_folder("lfm2moe"))
     report = ContentionJob(corpus, 1, max_new_tokens=2)(_sweep_context(lfm2, None, [])).report
     assert report.markdown().startswith(f"Model {fixture_folder('lfm2moe').resolve()}, on the CPU.\n\n| workload |")

@@ -29,7 +29,6 @@ class ContentionView(QWidget):
     def __init__(self, parent=None):
         super().__init__(parent)
         self.result: ContentionResult | None = None
-        self.ran_scenario = ""  # the last test's (the box stays open while it runs)
         self.corpus = QLineEdit(placeholderText="folder of .txt files (empty: a generated corpus, ~20 MB, made once)")
         self.corpus.setAccessibleName("Corpus folder")
         self.browse = QPushButton("Browse…")
@@ -92,7 +91,7 @@ class ContentionView(QWidget):
     def run(self) -> None:
         job = ContentionJob(self.corpus.text().strip() or None, self.workers.value(), self.scenario.currentText(),
                             self.max_tokens.chosen)
-        self.result, self.ran_scenario = None, job.scenario
+        self.result = None
         self.save_button.setEnabled(False)
         self.table.clearContents()
         self.bar.start("Preparing the corpus…" if job.corpus is None else phase_after(0.0).capitalize() + "…")
@@ -109,7 +108,7 @@ class ContentionView(QWidget):
             return
         rows = ((report.indexing, report.indexing_alone_s,
                  report.indexing_with_inference_s, report.indexing_slowdown),
-                (f"inference ({self.ran_scenario})", report.inference_alone_s,
+                (report.inference, report.inference_alone_s,
                  report.inference_with_indexing_s, report.inference_slowdown))
         for r, (name, alone, together, slowdown) in enumerate(rows):
             for c, text in enumerate((name, f"{seconds_figures(alone)} s", f"{seconds_figures(together)} s",

@@ -546,7 +546,8 @@ class ContentionJob:
             report = run_contention(inference, corpus, self.workers, progress=progress, cancel=ctx.cancel,
                                     threads=model.decoder.kernel_threads.state, generation=generation_settings(params),
                                     device_fallback=ctx.device_fallback or None, model=str(model.folder.folder),
-                                    device=getattr(ctx.device, "name", "cpu"), simulated=is_simulated(ctx.device))
+                                    device=getattr(ctx.device, "name", "cpu"), simulated=is_simulated(ctx.device),
+                                    scenario=self.scenario)
         except ContentionCancelled:
             return ContentionResult(None, str(corpus), cancelled=True)
         return ContentionResult(report, str(corpus))

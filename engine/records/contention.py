@@ -118,6 +118,8 @@ class ContentionReport:
     device: str | None = None
     # the device is the simulated GPU: the CPU computes the card's experts too, so the inference's times are the CPU's
     simulated: bool = False
+    # the scenario the inference ran (scenarios.SCENARIOS): its row names it; None where not given
+    scenario: str | None = None
 
     @property
     def indexing_slowdown(self) -> float:
@@ -131,6 +133,12 @@ class ContentionReport:
     def indexing(self) -> str:
         """The indexing workload, as the report's row and the window's table name it."""
         return f"indexing {counted(self.documents, 'file')}, {counted(self.workers, 'worker')}"
+
+    @property
+    def inference(self) -> str:
+        """The inference workload, named by its scenario (a multiturn chat's six answers, or one), as the report's row
+        and the window's table name it."""
+        return f"inference ({self.scenario})" if self.scenario else "inference"
 
     def as_dict(self) -> dict:
         return {**vars(self), "indexing_slowdown": self.indexing_slowdown,
@@ -147,7 +155,7 @@ class ContentionReport:
             "| workload | alone | together | slowdown |", "|---|---|---|---|",
             f"| {self.indexing} | {seconds_figures(self.indexing_alone_s)} s | "
             f"{seconds_figures(self.indexing_with_inference_s)} s | {self.indexing_slowdown:.2f}x |",
-            f"| inference | {seconds_figures(self.inference_alone_s)} s | "
+            f"| {self.inference} | {seconds_figures(self.inference_alone_s)} s | "
             f"{seconds_figures(self.inference_with_indexing_s)} s | {self.inference_slowdown:.2f}x |"]
         if self.generation:
             lines += ["", f"Answers: {answers_asked(self.generation)}, at most {self.generation['max_new_tokens']} "
@@ -196,12 +204,12 @@ class ContentionCancelled(WorkbenchError):
 def run_contention(run_inference, corpus: Path, workers: int, progress=None,
                    cancel: threading.Event | None = None, threads=None,
                    generation: dict | None = None, device_fallback: str | None = None, model: str | None = None,
-                   device: str | None = None, simulated: bool = False) -> ContentionReport:
+                   device: str | None = None, simulated: bool = False, scenario: str | None = None) -> ContentionReport:
     """`run_inference()` runs one inference workload and returns its completion time in seconds; `threads()`, where
     given, the CPU expert kernels' thread count (KernelThreads.state), read after each timed inference; `generation`,
     how its answers are asked for (schema.generation_settings), `device_fallback`, why the inference runs every
     expert on the CPU where its CUDA GPU could not be used, and the `model` folder and the `device` it runs on
-    (`simulated`: the simulated GPU), kept in the report.
+    (`simulated`: the simulated GPU), and the `scenario` it runs, kept in the report.
 
     `cancel` is checked between the phases (a warm-up of each, indexing alone, inference alone, both): a set
     event raises ContentionCancelled there (`run_inference` may watch it too, between tokens)."""
@@ -249,4 +257,4 @@ def run_contention(run_inference, corpus: Path, workers: int, progress=None,
     phase_done(1.0)
     return ContentionReport(workers, documents, indexing_alone, inference_alone,
                             together["indexing"], together["inference"], threads_alone, threads_together, others,
-                            generation, device_fallback, model, device, simulated)
+                            generation, device_fallback, model, device, simulated, scenario)
