@@ -956,6 +956,23 @@ def test_the_contention_view_names_the_inference_warm_up_as_the_phase_that_runs_
     assert view.bar.status.text() == "Warming up: inference…"
 
 
+def test_the_contention_view_says_the_cpu_stands_in_for_a_simulated_card(qtbot):
+    """On the simulated GPU the inference's times are the CPU's (it computes the card's experts too): the saved report
+    said so, but the window's line did not, and its inference slowdown read as the card's."""
+    from app.gui.contention_view import ContentionView
+    from app.gui.records_jobs import ContentionResult
+    from engine.records.contention import ContentionReport
+
+    view = ContentionView()
+    qtbot.addWidget(view)
+    view.on_finished(ContentionResult(ContentionReport(1, 12, 1.0, 2.0, 1.5, 3.0, simulated=True), "corpus"))
+    assert view.bar.status.text() == (
+        "Done: together, the indexing took 1.50× its time alone and the inference 1.50×. The CPU computes the "
+        "simulated card's experts too, standing in for it: the inference times are the CPU's, not the card's.")
+    view.on_finished(ContentionResult(ContentionReport(1, 12, 1.0, 2.0, 1.5, 3.0), "corpus"))
+    assert view.bar.status.text() == "Done: together, the indexing took 1.50× its time alone and the inference 1.50×."
+
+
 def test_the_contention_tables_give_a_fast_answers_time_in_figures_that_tell_it(qtbot):
     """The report's table and the window's gave times with two decimals: a small model's inference in 4 ms read
     "0.00 s" alone and together. They give them as every other time is (units.seconds_figures)."""

@@ -13,7 +13,7 @@ from app.gui.job_bar import JobBar
 from app.gui.records_jobs import ContentionJob, ContentionResult
 from app.gui.widgets import AnswerLength
 from engine.errors import not_written
-from engine.records.contention import MAX_WORKERS, ContentionReport, phase_after
+from engine.records.contention import MAX_WORKERS, STAND_IN, ContentionReport, phase_after
 from engine.records.lengths import SCENARIO_TOKENS
 from engine.records.scenarios import SCENARIOS
 from engine.units import seconds_figures
@@ -120,8 +120,11 @@ class ContentionView(QWidget):
                   "CPUs' time while each ran alone." if shares else "")
         # (a slowdown below 1: faster together, which "0.93× slower" misread)
         cpu = f" {report.device_fallback}" if report.device_fallback else ""  # (the CUDA GPU asked for, unusable)
+        # (on the simulated card, a slowdown read as the card's where it is the CPU's)
+        stand_in = f" {STAND_IN}" if report.simulated else ""
         self.bar.finish(f"Done: together, the indexing took {report.indexing_slowdown:.2f}× its time alone and the "
-                        f"inference {report.inference_slowdown:.2f}×." + threads_words(report) + beside + cpu)
+                        f"inference {report.inference_slowdown:.2f}×." + threads_words(report) + beside + cpu
+                        + stand_in)
 
     def on_failed(self, message: str) -> None:
         self.bar.finish(f"Failed: {message}")

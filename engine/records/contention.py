@@ -92,6 +92,11 @@ def index_folder(folder: Path, workers: int) -> tuple[int, float]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+# said of a test on the simulated GPU, by the report and the window
+STAND_IN = ("The CPU computes the simulated card's experts too, standing in for it: the inference times are the CPU's, "
+            "not the card's.")
+
+
 @dataclass
 class ContentionReport:
     workers: int
@@ -148,8 +153,7 @@ class ContentionReport:
         lines = []
         if self.model:
             where = "the CPU" if self.device == "cpu" else f"the {self.device}"
-            stand_in = (" The CPU computes the simulated card's experts too, standing in for it: the inference times "
-                        "are the CPU's, not the card's." if self.simulated else "")
+            stand_in = f" {STAND_IN}" if self.simulated else ""
             lines += [f"Model {self.model}, on {where}.{stand_in}", ""]
         lines += [
             "| workload | alone | together | slowdown |", "|---|---|---|---|",
