@@ -956,6 +956,18 @@ def test_the_contention_view_names_the_inference_warm_up_as_the_phase_that_runs_
     assert view.bar.status.text() == "Warming up: inference…"
 
 
+def test_the_contention_views_cancel_counts_the_warm_ups_among_its_phases(qtbot):
+    """Cancel's tooltip said "between the three phases", the timed ones, while the bar names the two warm-ups as phases
+    too, and Cancel stops between those as well."""
+    from app.gui.contention_view import ContentionView
+    from engine.records.contention import PHASES
+
+    view = ContentionView()
+    qtbot.addWidget(view)
+    assert len(PHASES) == 5 and view.bar.cancel_button.toolTip() == (
+        "Cancel takes effect between the five phases, the two warm-ups among them (an answer stops at its next token)")
+
+
 def test_the_contention_view_says_the_cpu_stands_in_for_a_simulated_card(qtbot):
     """On the simulated GPU the inference's times are the CPU's (it computes the card's experts too): the saved report
     said so, but the window's line did not, and its inference slowdown read as the card's."""

@@ -42,7 +42,8 @@ class ContentionView(QWidget):
                                        "beside the indexing")
         self.max_tokens.setAccessibleName("Answer tokens")
         self.max_tokens.setSuffix(" tokens")
-        self.bar = JobBar("Run the test", "Cancel takes effect between the three phases (an answer stops at its next token)")
+        self.bar = JobBar("Run the test", "Cancel takes effect between the five phases, the two warm-ups among them "
+                          "(an answer stops at its next token)")
         note = QLabel("Cancel takes effect between phases: indexing that has started runs to its end.")
         note.setWordWrap(True)
         self.table = QTableWidget(2, 4)
