@@ -772,11 +772,14 @@ class _ProgressLine:
         self.what = what
         self.terminal = sys.stderr.isatty()
         self.drawn = False  # a line drawn in place and not yet ended
+        self.width = 0  # the widest drawn in place since the line began: a shorter one is padded over its end
 
-    def __call__(self, fraction: float) -> None:
+    def __call__(self, fraction: float, text: str = "") -> None:
+        """`text`: what runs now (contention's phase), after the share on a terminal."""
         if self.terminal:
-            print(f"\r{self.what}: {fraction:6.1%}", end="\n" if fraction >= 1 else "", file=sys.stderr, flush=True)
-            self.drawn = fraction < 1
+            line = f"{self.what}: {fraction:6.1%}" + (f", {text}" if text else "")
+            print(f"\r{line:{self.width}}", end="\n" if fraction >= 1 else "", file=sys.stderr, flush=True)
+            self.drawn, self.width = fraction < 1, max(self.width, len(line))
         elif fraction >= 1:
             print(f"{self.what}: done", file=sys.stderr, flush=True)
 
@@ -784,12 +787,12 @@ class _ProgressLine:
         """Ends a line drawn in place short of done, so that what follows (a stopped sweep's points) starts below it."""
         if self.drawn:
             print(file=sys.stderr, flush=True)
-            self.drawn = False
+            self.drawn, self.width = False, 0
 
     def say(self, text: str) -> None:
         """A line of its own; on a terminal over the progress drawn so far (the next report draws it again below)."""
         print(("\r" if self.terminal else "") + f"{self.what}: {text}", file=sys.stderr, flush=True)
-        self.drawn = False
+        self.drawn, self.width = False, 0
 
 
 def _scenarios(name: str) -> list[str]:
@@ -1184,7 +1187,7 @@ def _budget_text(budget: str | None, device: str | None) -> str:
 def _cmd_contention(args) -> int:
     from engine.errors import ConversationFullError, PromptError
     from engine.generation import GenerationParams, LoadedModel
-    from engine.records.contention import corpus_problem, default_corpus, run_contention
+    from engine.records.contention import corpus_problem, default_corpus, phase_after, run_contention
     from engine.records.scenarios import run_scenario, scenario_answer_tokens, scenario_turns, turns_past_the_context
     from engine.records.schema import generation_settings
 
@@ -1210,11 +1213,20 @@ def _cmd_contention(args) -> int:
         except ConversationFullError as exc:  # (its "start a new conversation" is the window's chat's)
             raise PromptError(f"{args.scenario}: {turns_past_the_context(exc, '--max-new-tokens')}") from None
 
-    report = run_contention(inference, corpus, args.workers, progress=_ProgressLine("contention"),
-                            threads=model.decoder.kernel_threads.state, generation=generation_settings(params),
-                            device_fallback=fallback[0] if fallback else None, model=str(model.folder.folder),
-                            device=getattr(device, "name", "cpu"), simulated=is_simulated(device),
-                            scenario=args.scenario)
+    line = _ProgressLine("contention")
+
+    def progress(fraction: float) -> None:  # (as a phase ends: the next one named, as the window's bar names it)
+        line(fraction, phase_after(fraction) if fraction < 1 else "")
+
+    progress(0.0)
+    try:
+        report = run_contention(inference, corpus, args.workers, progress=progress,
+                                threads=model.decoder.kernel_threads.state, generation=generation_settings(params),
+                                device_fallback=fallback[0] if fallback else None, model=str(model.folder.folder),
+                                device=getattr(device, "name", "cpu"), simulated=is_simulated(device),
+                                scenario=args.scenario)
+    finally:  # a refusal or an interruption starts below the line drawn
+        line.end()
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.markdown(), end="")
     return 0
 

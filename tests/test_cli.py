@@ -541,6 +541,35 @@ def test_contentions_report_names_the_scenario_its_inference_ran(tmp_path, capsy
     assert status == 0 and json.loads(out)["scenario"] == "short"
 
 
+def test_contention_on_a_terminal_names_the_phase_that_runs_and_ends_its_line_before_a_refusal(
+        copy_fixture, tmp_path, capsys, monkeypatch):
+    """On a terminal contention's line read "contention:  20.0%" and so on, drawn only as each phase ended: nothing
+    while the first ran, and never which phase ran (the window's bar names it; the indexing warm-up alone takes minutes
+    on the default corpus). It names the phase from the start; a refusal is said below it, not on its end."""
+    import engine.records.contention as contention
+    from engine.records.contention import make_corpus
+
+    monkeypatch.setattr(contention, "index_folder", lambda folder, workers: (4, 0.5))
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    corpus = make_corpus(tmp_path / "corpus", files=4, words_per_file=60)
+    status, _out, err = _main(capsys, "contention", str(fixture_folder("gptoss")), "--corpus", str(corpus),
+                              "--max-new-tokens", "2")
+    assert status == 0 and err == ("\rcontention:   0.0%, warming up: inference"
+                                   "\rcontention:  20.0%, warming up: indexing "
+                                   "\rcontention:  40.0%, indexing alone       "
+                                   "\rcontention:  60.0%, inference alone      "
+                                   "\rcontention:  80.0%, indexing and inference at once"
+                                   f"\r{'contention: 100.0%':50}\n")
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["context_length"] = 80
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    status, _out, err = _main(capsys, "contention", str(folder), "--corpus", str(corpus), "--scenario", "multiturn",
+                              "--max-new-tokens", "30")
+    assert status == 2 and err.startswith("\rcontention:   0.0%, warming up: inference\nmoe-workbench: error: "
+                                          "multiturn: the conversation so far ("), err
+
+
 def test_contentions_report_names_the_model_and_the_device_and_says_the_cpu_stands_in_for_a_simulated_card(tmp_path,
                                                                                                           capsys):
     """contention's report named neither the model nor the device; on the simulated GPU its inference times are the
