@@ -407,6 +407,29 @@ def test_fixed_split_tables_hold_each_layer_with_no_share_or_row_trials(model_fo
     assert engine.cold_split_table(2).tolist() == engine.split_tables_from_costs(2, False)[0].tolist()
 
 
+def test_under_decode_path_both_a_dropped_model_takes_its_device_with_it_without_a_garbage_collection(model_folder):
+    """Each node keeps its latest "both" step for the decoder (last_split), and the step held the node: node and step
+    in a cycle, holding the engine and the device until a garbage collection. A CUDA device waiting so keeps its cap
+    on CuPy's pool (none: unlimited) and its slots' memory, which the next load's reading of free memory misses
+    (tests/test_offload_cuda.py checks the CUDA device's)."""
+    import gc
+    import weakref
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(model_folder, device=device, decode_path="both",
+                             offload=OffloadConfig(device_expert_bytes=device_expert_bytes(model_folder) // 4))
+    greedy_run(model, steps=2)
+    nodes = [runner for runner in model.decoder.steps if getattr(runner, "last_split", None) is not None]
+    assert len(nodes) == SPEC.layers  # every layer's last step a "both" step, kept
+    dropped = [weakref.ref(held) for held in (model, model.offload, device, *nodes)]
+    gc.disable()
+    try:
+        del model, device, nodes
+        assert [ref() for ref in dropped] == [None] * len(dropped)
+    finally:
+        gc.enable()
+
+
 def test_under_decode_path_both_a_short_slowdowns_steps_leave_the_cpus_rate_as_it_was(model_folder, cpu_run):
     """The CPU parts of "both" steps reach the split's rate as each step ends, through its slow-step gate
     (spike_gate.py): two decode steps whose parts took 3x their time (other work on the machine) are left out, and the

@@ -6,6 +6,7 @@ merged. Drop-in for CpuExpertNode in the decoder."""
 from __future__ import annotations
 
 import time
+import weakref
 
 import numpy as np
 
@@ -503,7 +504,11 @@ class SplitStep:
     __slots__ = ("node", "store", "pending", "x", "launched_at", "standin_before", "done")
 
     def __init__(self, node: HybridExpertNode, store, pending, x, launched_at: float, standin_before: float):
-        self.node, self.store, self.pending, self.x = node, store, pending, x
+        # the node held weakly: it keeps its latest step (last_split), and a step holding it made a cycle that kept
+        # the engine and the device (its cap on CuPy's pool, its slots) past the model's end until a garbage
+        # collection. A step is used only within the decoder step that launched it, while the decoder holds the node
+        self.node = weakref.proxy(node)
+        self.store, self.pending, self.x = store, pending, x
         self.launched_at, self.standin_before = launched_at, standin_before
         self.done = False
 
