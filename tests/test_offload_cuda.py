@@ -180,6 +180,51 @@ def test_cuda_mem_limit_is_a_clean_error(folder):
     assert cupy.get_default_memory_pool().get_limit() == 0  # the cap went with the device: later loads are not held to it
 
 
+@pytest.mark.parametrize("case", ["dense-on-cpu", pytest.param("both", marks=needs_dense_on_gpu),
+                                  pytest.param("both-worker", marks=needs_dense_on_gpu)])
+def test_cuda_a_dropped_model_closes_its_device_without_a_garbage_collection(folder, folder16, monkeypatch, case):
+    """A model dropped takes its CUDA device with it at once: no cycle through the model, its engine, its nodes or the
+    device keeps them until a collection (the simulated device's: tests/test_offload.py). A device waiting so keeps
+    its cap on CuPy's pool (none: unlimited) and its slots' memory, which the next load's reading of free memory
+    misses. "both": each node keeps its latest "both" step (last_split), which held the node (hybrid_node.SplitStep);
+    "both-worker": the host-part worker's thread, which lives on, takes the steps' host parts."""
+    import gc
+    import weakref
+
+    import cupy
+
+    from engine.offload.cuda_device import open_cuda_device
+
+    both = case.startswith("both")
+    if case == "both":  # every "both" step on the engine's thread, through run(), which keeps it (last_split)
+        monkeypatch.setattr("engine.decoder.host_part_worker", False)
+    folder = folder16 if both else folder
+    budget = device_total(folder) // 2
+    gc.collect()  # earlier tests' devices, where a collection has yet to find them
+    pool = cupy.get_default_memory_pool()
+    before, limit = pool.get_limit(), 8 << 30
+    gc.disable()
+    try:
+        device = open_cuda_device(mem_limit=limit)
+        model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=budget), device=device)
+        if both:
+            model.offload.set_decode_path("both")
+            assert model.dense_device == "cuda" and model.offload.decode_path_in_force == "both"
+            model.offload.cold_split_table = lambda layer: np.array([0, 1, 1, 2, 2])  # a share for the CPU
+        warm_model(model)
+        greedy_run(model, steps=4)
+        nodes = [runner for runner in model.decoder.steps if getattr(runner, "last_split", None) is not None]
+        assert len(nodes) == (SPEC.layers if case == "both" else 0)
+        assert (model.decoder.layers_beside > 0) == (case == "both-worker")
+        assert pool.get_limit() == limit
+        dropped = [weakref.ref(held) for held in (model, model.offload, device, *nodes)]
+        del model, device, nodes
+        assert [ref() for ref in dropped] == [None] * len(dropped)
+        assert pool.get_limit() == before  # the device's cap went with it
+    finally:
+        gc.enable()
+
+
 @pytest.fixture
 def no_registration(monkeypatch):
     """Expert copies through the pinned staging ring: the experts' mapping is not page-locked (host_register.py)."""
