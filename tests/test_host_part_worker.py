@@ -501,3 +501,25 @@ def test_an_error_cancels_the_worker_and_abandons_the_layer_launched():
     with pytest.raises(RuntimeError, match="node1 failed"):
         model._run_steps_beside({"h0": 0}, None, worker)
     assert worker.cancelled and ("abandon", "node1") in log  # node0's gate is the worker's, node1's raised here
+
+
+def test_a_dropped_worker_goes_with_what_it_holds_and_its_thread_ends(kernel):
+    """The worker's thread held the worker (its bound method) for as long as the process: a model dropped left its
+    worker, its layers' kernels over the model's mapped file and the published blocks' pinned and GPU memory behind,
+    and a thread asleep for each model loaded."""
+    import gc
+    import weakref
+
+    worker = HostPartWorker(threads=1)
+    layers = blocks(1, 1, kernel)
+    worker_step(worker, kernel, layers, seed=5)
+    assert len(worker.collect()) == 1
+    thread = worker._thread
+    dropped = [weakref.ref(worker), weakref.ref(layers[0])]
+    gc.disable()  # (no cycle either)
+    try:
+        del worker, layers
+        thread.join(10)  # the loop returns after IDLE_S idle, and the thread then lets the worker go
+        assert not thread.is_alive() and [ref() for ref in dropped] == [None, None]
+    finally:
+        gc.enable()

@@ -187,7 +187,7 @@ def test_cuda_a_dropped_model_closes_its_device_without_a_garbage_collection(fol
     device keeps them until a collection (the simulated device's: tests/test_offload.py). A device waiting so keeps
     its cap on CuPy's pool (none: unlimited) and its slots' memory, which the next load's reading of free memory
     misses. "both": each node keeps its latest "both" step (last_split), which held the node (hybrid_node.SplitStep);
-    "both-worker": the host-part worker's thread, which lives on, takes the steps' host parts."""
+    "both-worker": the host-part worker's thread takes the steps' host parts, and ends with the model."""
     import gc
     import weakref
 
@@ -217,10 +217,14 @@ def test_cuda_a_dropped_model_closes_its_device_without_a_garbage_collection(fol
         assert len(nodes) == (SPEC.layers if case == "both" else 0)
         assert (model.decoder.layers_beside > 0) == (case == "both-worker")
         assert pool.get_limit() == limit
+        thread = model.decoder._worker._thread if case == "both-worker" else None
         dropped = [weakref.ref(held) for held in (model, model.offload, device, *nodes)]
         del model, device, nodes
         assert [ref() for ref in dropped] == [None] * len(dropped)
         assert pool.get_limit() == before  # the device's cap went with it
+        if thread is not None:  # the host-part worker's
+            thread.join(10)  # (its loop returns after IDLE_S idle, then lets the worker go)
+            assert not thread.is_alive()
     finally:
         gc.enable()
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 
 import numba
 import numpy as np
@@ -283,34 +284,36 @@ class HostPartWorker:
 
     def _start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="moe-host-parts", daemon=True)
+            # the thread holds the worker only while it works: a worker dropped with its model goes (its layers'
+            # kernels over the model's mapped file, the published blocks' pinned and GPU memory, this thread), where a
+            # thread with the worker's bound method lived on with all of it for as long as the process
+            self._thread = threading.Thread(target=_serve, args=(weakref.ref(self), self._wake),
+                                            name="moe-host-parts", daemon=True)
+            weakref.finalize(self, self._wake.set).atexit = False  # the thread, woken, finds the worker gone and ends
             self._thread.start()
         self._wake.set()
 
     def _run(self) -> None:
-        """The worker's thread: the compiled loop while jobs come, asleep between decodes."""
+        """One wake of the worker's thread: the compiled loop while jobs come."""
         idle_cycles = int(IDLE_S * self.clock.hz)
         counters = self._counters
+        use_threads(self.threads)  # (every layer's entry was made for them: set_threads)
+        self._in_loop = True
         while True:
-            self._wake.wait()
-            self._wake.clear()
-            use_threads(self.threads)  # (every layer's entry was made for them: set_threads)
-            self._in_loop = True
-            while True:
-                scratch = self._scratch
-                try:
-                    host_parts.run_host_parts(self._layers, self._params, self._jobs, counters, self._times,
-                                              scratch.pair_ids, scratch.x32, scratch.ws, scratch.y, idle_cycles)
-                except BaseException as exc:  # reported on the engine's thread (drain)
-                    self._error = exc
-                    break
-                if counters[CANCEL] or counters[FAILED] or counters[DONE] >= counters[QUEUED]:
-                    break
-            if not (counters[CANCEL] or counters[FAILED] or self._error is not None):
-                # idle, asleep until the next decode: this thread's OpenMP pool given back, so that the engine
-                # thread's kernels (prefill, the CPU path) run without the throttle of two pools (kernels/cpu/omp_pool)
-                release_pool()
-            self._in_loop = False
+            scratch = self._scratch
+            try:
+                host_parts.run_host_parts(self._layers, self._params, self._jobs, counters, self._times,
+                                          scratch.pair_ids, scratch.x32, scratch.ws, scratch.y, idle_cycles)
+            except BaseException as exc:  # reported on the engine's thread (drain)
+                self._error = exc
+                break
+            if counters[CANCEL] or counters[FAILED] or counters[DONE] >= counters[QUEUED]:
+                break
+        if not (counters[CANCEL] or counters[FAILED] or self._error is not None):
+            # idle, asleep until the next decode: this thread's OpenMP pool given back, so that the engine
+            # thread's kernels (prefill, the CPU path) run without the throttle of two pools (kernels/cpu/omp_pool)
+            release_pool()
+        self._in_loop = False
 
     def _stop_loop(self) -> None:
         """Every job done and the loop returned (jobs already done stay to be collected)."""
@@ -349,3 +352,16 @@ class HostPartWorker:
         if why is None:
             why = "an expert id out of range" if failed else f"{type(error).__name__}: {error}"
         raise WorkbenchError(f"{layer}: the CPU's part of a decode step failed on the host-part worker ({why})")
+
+
+def _serve(worker_ref, wake: threading.Event) -> None:
+    """The worker's thread: the compiled loop while jobs come (HostPartWorker._run), asleep between decodes; it ends
+    once the worker is gone (its finalizer wakes it)."""
+    while True:
+        wake.wait()
+        wake.clear()
+        worker = worker_ref()
+        if worker is None:
+            return
+        worker._run()
+        del worker  # not held while asleep
