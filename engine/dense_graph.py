@@ -89,7 +89,10 @@ class HostInputStaging:
     replay that reads it is queued on that stream too."""
 
     def __init__(self, backend):
-        self.backend = backend
+        # weakly: _staging keys this by its backend, and a value holding its key kept both for as long as the process
+        # (the model's dense stream and copy_out's page-locked buffers with it). Used through SegmentGraphs, which
+        # holds the backend
+        self.backend = weakref.proxy(backend)
         self._buffers: dict[str, tuple] = {}  # input name -> (device buffer, the bytes last copied into it)
 
     def stage(self, name: str, array: np.ndarray):

@@ -755,6 +755,28 @@ def test_a_binding_with_outputs_left_on_the_device_goes_without_a_garbage_collec
         gc.enable()
 
 
+def test_a_dense_backends_host_input_staging_goes_with_the_backend():
+    """dense_graph keeps each backend's HostInputStaging in a WeakKeyDictionary, and the staging held its backend: the
+    key never went, and with it the model's dense stream, its event and copy_out's page-locked buffers stayed for as
+    long as the process, one set for each model loaded with its dense part on the GPU."""
+    import gc
+    import weakref
+
+    from engine.dense_graph import staging_for
+
+    backend = CupyBackend(FakeCupy())
+    staging = staging_for(backend)
+    staged = staging.stage("seqlens_k", np.array([5], np.int32))
+    assert staging_for(backend) is staging and staged.view(np.ndarray).tolist() == [5]
+    dropped = [weakref.ref(backend), weakref.ref(staging)]
+    gc.disable()
+    try:
+        del backend, staging
+        assert [ref() for ref in dropped] == [None, None]
+    finally:
+        gc.enable()
+
+
 def test_under_decode_path_both_a_node_the_routing_kernel_cannot_route_takes_the_tiers_step(model_folder, cpu_run,
                                                                                             monkeypatch):
     """route_split routes on the device, softmax top-k over at most 1024 experts (kernels.gpu.qmoe.routes_on_device):
