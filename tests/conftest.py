@@ -52,6 +52,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _gpu_state_released(request):
+    """After each gpu test, the CUDA devices it opened closed (tests/gpu_state.py): the next test starts without
+    them."""
+    yield
+    if request.node.get_closest_marker("gpu") is not None:
+        from tests.gpu_state import release_gpu_state
+
+        release_gpu_state()
+
+
 _DESELECTED = pytest.StashKey[bool]()
 
 

@@ -6,6 +6,7 @@ import contextlib
 import gc
 import threading
 import types
+import weakref
 
 import pytest
 
@@ -149,3 +150,28 @@ def test_a_reload_counts_the_dropped_models_memory_still_cached_in_the_pool_as_f
     cuda_device._cupy().cuda.runtime.memGetInfo = lambda: ((75 << 30) - cached["bytes"], 80 << 30)
     device = cuda_device.CudaDevice(0)
     assert device.memory.capacity == 75 << 30  # 5 GiB other processes hold; the pool's cached blocks are free
+
+
+def test_a_gpu_tests_devices_are_closed_before_the_next_test(pool):
+    """conftest's teardown of each gpu test (tests/gpu_state.py): a device the test left in a reference cycle, and one
+    still referenced (a failed test's traceback, which pytest keeps), no longer lift the pool's limit for the next
+    test's capped device."""
+    from tests.gpu_state import release_gpu_state
+
+    was_enabled = gc.isenabled()
+    gc.disable()  # the cycle stays until a collection: only release_gpu_state's
+    try:
+        in_a_cycle = cuda_device.CudaDevice(0)
+        in_a_cycle.itself = in_a_cycle
+        del in_a_cycle
+        kept = cuda_device.CudaDevice(0)
+        dead = weakref.proxy(cuda_device.CudaDevice(0))  # (among the objects it looks through)
+        release_gpu_state()
+        capped = cuda_device.CudaDevice(0, mem_limit=64 << 10)  # the next test's
+        assert pool.limits[-1] == 64 << 10 and cuda_device._pool_caps == {0: {id(capped): 64 << 10}}
+        assert kept.memory.limit == 0 and capped.memory.limit == 64 << 10
+        with pytest.raises(ReferenceError):
+            dead.memory
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -167,9 +167,7 @@ def test_cuda_mem_limit_is_a_clean_error(folder):
     from engine.offload.cuda_device import open_cuda_device
     from engine.offload.device_memory import DeviceMemoryError
 
-    # CuPy's pool has no limit while any open device has none (_cap_pool): earlier tests' devices, where a collection
-    # has yet to find them, go first (the whole gpu run once failed here on one of them; alone it passed)
-    gc.collect()
+    # (CuPy's pool has no limit while any open device has none: conftest closes every earlier gpu test's devices)
     limit = 64 << 10  # far below one layer's experts
     device = open_cuda_device(mem_limit=limit)
     with pytest.raises(DeviceMemoryError):
