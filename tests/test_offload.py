@@ -1102,6 +1102,65 @@ def test_an_apply_after_the_data_file_was_truncated_is_refused_by_name_not_a_cra
         "initializers take; load the model again", "True True True False"]
 
 
+def test_a_data_file_truncated_during_a_step_stops_the_answer_at_its_safe_point_before_placement_moves(model_folder,
+                                                                                                       tmp_path):
+    """The decoder checks the mapped files' sizes before each step, not after: placement's moves at the step's safe
+    point copy experts from the mapped file (on a card, read by the CPU into the pinned ring), and past the end of a
+    data file cut short during the step that read killed the process (SIGBUS). The safe point checks first: the
+    answer stops there with the refusal naming the file, placement's tables as they were, no expert copied. (Cut
+    short by a few bytes, its last page kept: the simulated device copies nothing, and this process lives to fail.)"""
+    import os
+
+    from engine.errors import ModelFileError
+    from engine.generation import GenerationParams, generate
+
+    folder = tmp_path / "m"
+    shutil.copytree(model_folder, folder)
+    data = folder / "model.onnx.data"
+    size = data.stat().st_size
+    prompt = "The expert offload engine must be exact."
+
+    def half_budget() -> LoadedModel:
+        model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=device_expert_bytes(folder) // 2),
+                                 device=SimulatedDevice(1 << 30))
+        model.offload.set_layer_split("spread")  # no trial's re-plan at the safe point: placement's moves alone
+        return model
+
+    def moves(engine) -> int:
+        totals = engine.stats.totals()
+        return totals.fills + totals.swaps
+
+    def first_decode_safe_point(model: LoadedModel, before) -> dict:
+        """The moves and tables at the first decode step's safe point, before it and after; `before` runs first."""
+        engine, safe_point, seen = model.offload, model.decoder.on_step_end, {}
+
+        def watched(seconds, tokens) -> None:
+            if tokens == 1 and not seen:
+                before()
+                seen["before"] = (moves(engine), [layer.expert_in.tolist() for layer in engine.slots])
+                safe_point(seconds, tokens)
+                seen["after"] = (moves(engine), [layer.expert_in.tolist() for layer in engine.slots])
+            else:
+                safe_point(seconds, tokens)
+
+        model.decoder.on_step_end = watched
+        return seen
+
+    model = half_budget()  # the file whole: that safe point moves experts
+    seen = first_decode_safe_point(model, lambda: None)
+    generate(model, model.new_state(), [], model.tokenizer.encode(prompt), GenerationParams(max_new_tokens=8))
+    assert seen["after"][0] > seen["before"][0]
+
+    model = half_budget()
+    seen = first_decode_safe_point(model, lambda: os.truncate(data, size - 4))
+    with pytest.raises(ModelFileError) as refused:
+        generate(model, model.new_state(), [], model.tokenizer.encode(prompt), GenerationParams(max_new_tokens=8))
+    assert str(refused.value) == (f"{data}: truncated since the model was loaded: it has {size - 4} bytes of the "
+                                  f"{size} its initializers take; load the model again")
+    assert "after" not in seen and model.decoder.profile["steps"] == 1  # the prefill's: stopped at the safe point
+    assert (moves(model.offload), [layer.expert_in.tolist() for layer in model.offload.slots]) == seen["before"]
+
+
 def test_adaptive_slots_are_filled_when_the_budget_changes(model_folder):
     """A partial budget on a loaded model fills every slot it wants resident at once (learnt scores first), before
     any step: left empty, slots filled one swap at a time within the swap allowance (seen on the H200: hit rate
