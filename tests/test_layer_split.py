@@ -270,6 +270,44 @@ def test_a_re_plan_the_trials_ask_for_refused_on_a_data_file_cut_short_stops_the
                                           f"trials.")
 
 
+def test_a_re_plan_the_trials_ask_for_refused_on_a_data_file_written_in_place_stops_the_answer(model_folder,
+                                                                                                tmp_path):
+    """The trials' re-plan, refused since a data file was written to in place after the load (its first check: the
+    mapping shows the new bytes), said "decode goes on with" the plan in force, and the rest of the answer came from
+    the changed weights, which the next answer's first check refuses. The answer stops at that safe point with the
+    refusal naming the file, no step after it, and the plan says so."""
+    from engine.errors import ModelFileError
+    from engine.generation import GenerationParams, generate
+
+    folder = tmp_path / "m"
+    shutil.copytree(model_folder, folder)
+    model, engine = half_budget_engine(folder, first=0, settle=0, window=1)
+    plan = engine.plan
+    data = folder / "model.onnx.data"
+    said = f"{data}: changed since the model was loaded (written to in place); load the model again"
+    safe_point = model.decoder.on_step_end
+
+    def written_first(seconds, tokens):  # the file written to during the first decode step, before its safe point
+        if tokens == 1:
+            with open(data, "r+b") as written:
+                written.write(b"\0")
+            stamp = data.stat()
+            os.utime(data, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 1_000_000))  # past the timestamps' granularity
+        safe_point(seconds, tokens)
+
+    model.decoder.on_step_end = written_first
+    prompt = model.tokenizer.encode("The expert offload engine must be exact.")
+    with pytest.raises(ModelFileError) as refused:
+        generate(model, model.new_state(), [], prompt, GenerationParams(max_new_tokens=8))
+    assert str(refused.value) == said
+    assert model.decoder.profile["steps"] == 1  # the prefill's: the decode step stopped at its safe point
+    assert engine.plan is plan and engine.whole_layers is False and engine.layer_split_mode == "spread"
+    assert engine.plan.statements[-1] == (f"The layer split's trials asked for whole layers, and the re-plan failed "
+                                          f"({said}): the answer stopped there, before a step read the data file "
+                                          f"written to in place; the plan keeps the budget spread over every layer, "
+                                          f"with no more trials.")
+
+
 def test_the_trials_time_a_step_with_the_accounts_it_left_for_its_safe_point(model_folder, monkeypatch):
     """A path whose host runs ahead of the GPU (the tier) leaves its layers' accounts to the step's end, where "both"
     takes them within the step: timed without them, the tier looked 1.4 ms a step faster than it decoded (H200,

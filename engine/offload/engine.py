@@ -935,13 +935,15 @@ class OffloadEngine(DenseLanding):
                         self._set_whole_layers(wanted == WHOLE)
                     except Exception as exc:  # refused, or the driver or the host's memory failing it: the plan in
                         # force stays (_replan restored it), with no more trials, and decoding goes on under it; but
-                        # not past a data file cut short since the load (the re-plan's first check refuses it): the
-                        # next step would read past its end (SIGBUS), so the answer stops here with that refusal
+                        # not past a data file cut short or written to in place since the load (the re-plan's first
+                        # check refuses both): the next step would read past its end (SIGBUS), or the rest of the
+                        # answer come from weights other than the loaded model's (the next answer's first check
+                        # refuses them), so the answer stops here with that refusal
                         self.layer_split_mode = WHOLE if self.whole_layers else SPREAD
-                        cut_short = self._cut_short()
-                        self.plan.statements.append(self._split_failed(wanted, exc, stops=cut_short is not None))
-                        if cut_short is not None:
-                            raise cut_short from None
+                        refused, happened = self._file_refusal()
+                        self.plan.statements.append(self._split_failed(wanted, exc, happened))
+                        if refused is not None:
+                            raise refused from None
                     return
             self._steps += 1
             if self._steps % MISS_SLOTS_EVERY == MISS_SLOTS_FIRST:
@@ -982,24 +984,31 @@ class OffloadEngine(DenseLanding):
             self._choosable = (self.plan, split_choosable(self.config, self.plan, self.infos) > 0)
         return self._choosable[1]
 
-    def _cut_short(self) -> ModelFileError | None:
-        """The refusal naming a mapped data file truncated since the load (None where none is)."""
+    def _file_refusal(self) -> tuple[ModelFileError | None, str | None]:
+        """The refusal naming a mapped data file cut short or written to in place since the load, and what happened
+        to it in a few words (None, None where neither did)."""
+        source = self.host_cache.source
+        if source is None:
+            return None, None
         try:
-            if self.host_cache.source is not None:
-                self.host_cache.source.check_mapped_sizes()
+            source.check_mapped_sizes()
         except ModelFileError as exc:
-            return exc
-        return None
+            return exc, "cut short"
+        try:
+            source.check_mapped_files()
+        except ModelFileError as exc:
+            return exc, "written to in place"
+        return None, None
 
-    def _split_failed(self, wanted: str, exc: Exception, stops: bool = False) -> str:
+    def _split_failed(self, wanted: str, exc: Exception, stops: str | None = None) -> str:
         """What the plan in force says once the re-plan the layer split's trials asked for (`wanted`) failed; `stops`:
-        the answer stopped there, a data file having been cut short."""
+        the answer stopped there, a data file having been cut short or written to in place (those words)."""
         kept = "whole layers" if self.whole_layers else "the budget spread over every layer"
         asked = "whole layers" if wanted == WHOLE else "the budget spread over every layer"
         failed = one_line(exc, self.config.mode)
         if stops:
             return (f"The layer split's trials asked for {asked}, and the re-plan failed ({failed}): the answer "
-                    f"stopped there, before a step read the data file cut short; the plan keeps {kept}, with no more "
+                    f"stopped there, before a step read the data file {stops}; the plan keeps {kept}, with no more "
                     "trials.")
         return (f"The layer split's trials asked for {asked}, and the re-plan failed ({failed}): decode goes on with "
                 f"{kept}, with no more trials.")
