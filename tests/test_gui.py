@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 
 pytest.importorskip("pytestqt")
 
-from PySide6.QtCore import QMimeData, QPointF, QSettings, Qt, QUrl  # noqa: E402
+from PySide6.QtCore import QMimeData, QPointF, QSettings, Qt, QTimer, QUrl  # noqa: E402
 from PySide6.QtGui import QDropEvent, QPalette  # noqa: E402
 from PySide6.QtWidgets import QLabel  # noqa: E402
 
@@ -1633,10 +1634,19 @@ def hold_loads_until_stopped(window) -> None:
                                        Qt.ConnectionType.DirectConnection)
 
 
+def load_settled(window) -> threading.Event:
+    """Set in the worker, before the window hears of it, once a load reports progress (the loaded model has gone) or
+    ends. (Connect it before hold_loads_until_stopped, which holds the load at its first report.)"""
+    settled = threading.Event()
+    window.worker.loadProgress.connect(lambda _fraction: settled.set(), Qt.ConnectionType.DirectConnection)
+    window.worker.busyChanged.connect(lambda activity: activity or settled.set(), Qt.ConnectionType.DirectConnection)
+    return settled
+
+
 def test_nothing_else_starts_between_load_and_the_loads_start_and_stop_stops_it(qtbot, window):
     """Between Load and the worker taking it, the window was idle: a message sent at once (Ctrl+L, Ctrl+Return) was
     answered by the model the load made, while the load's new conversation had cleared it off the transcript. Load
-    now makes the window busy at once, and Stop then stops the load as it starts."""
+    now makes the window busy at once, and Stop then stops the load before it begins: the model loaded stays."""
     load(qtbot, window, fixture_folder("lfm2moe"))
     window.load_action.trigger()
     assert not window.chat.send_button.isEnabled() and not window.load_action.isEnabled()
@@ -1645,14 +1655,44 @@ def test_nothing_else_starts_between_load_and_the_loads_start_and_stop_stops_it(
     assert window.chat.prompt.toPlainText() == "Quick one" and window._chat_waiting is None
     qtbot.waitUntil(lambda: window.chat.send_button.isEnabled(), timeout=WAIT)
     assert window.chat.entries == [] and window.worker._conversation.messages == []
+    # The load waits behind what the worker runs. Stop reached it once the window heard it began: by then the worker
+    # had dropped the loaded model, or not (the load was then stopped with it kept), as the two threads ran.
+    gate, settled = threading.Event(), load_settled(window)
     hold_loads_until_stopped(window)
+    QTimer.singleShot(0, window.worker, lambda: gate.wait(30))
     window.load_action.trigger()
     assert window.stop_action.isEnabled() and window.stop_action.text() == "&Stop the load"
     window.stop_action.trigger()
-    qtbot.waitUntil(lambda: window.loaded_path is None and not window.busy, timeout=WAIT)
-    assert window.error_banner.text() == ("Loading stopped; lfm2moe was unloaded first, to free its memory, and is no "
-                                          "longer loaded.")
-    assert window.model_panel.landed.text() == "Not loaded."
+    gate.set()
+    assert settled.wait(30)  # (the window hears nothing of the load meanwhile)
+    qtbot.waitUntil(lambda: window.load_action.isEnabled(), timeout=WAIT)
+    assert window.error_banner.text() == "Loading stopped; lfm2moe stays loaded."
+    assert same(window.loaded_path, fixture_folder("lfm2moe")) and window.status_state.text() == "Stopped the load."
+    assert window.chat.send_button.isEnabled() and window.model_panel.landed.text() != "Not loaded."
+
+
+def test_a_load_stopped_before_the_window_hears_it_began_keeps_the_loaded_model(qtbot, window):
+    """Stop of a load the worker had begun, before the window heard so (busyChanged is queued), reached the worker
+    only once the window heard: by then the worker had dropped the loaded model. Stop now reaches it at once, and the
+    load stops before the loaded model goes."""
+    load(qtbot, window, fixture_folder("lfm2moe"))
+    began, gate, settled = threading.Event(), threading.Event(), load_settled(window)
+
+    def hold_as_it_begins(activity: str) -> None:  # the worker, having begun the load, waits before it opens the folder
+        if activity == "loading":
+            began.set()
+            gate.wait(30)
+
+    window.worker.busyChanged.connect(hold_as_it_begins, Qt.ConnectionType.DirectConnection)
+    hold_loads_until_stopped(window)
+    window.load_action.trigger()
+    assert began.wait(30) and window.busy == ""  # (the window's own slot has not run)
+    window.stop_action.trigger()
+    gate.set()
+    assert settled.wait(30)
+    qtbot.waitUntil(lambda: window.load_action.isEnabled(), timeout=WAIT)
+    assert window.error_banner.text() == "Loading stopped; lfm2moe stays loaded."
+    assert same(window.loaded_path, fixture_folder("lfm2moe")) and window.status_state.text() == "Stopped the load."
 
 
 def test_open_recent_is_off_while_open_is(qtbot, window):

@@ -5,8 +5,9 @@ Every request is a queued signal into the worker; every result comes back as a s
 threading.Event the window sets directly, so it works at any moment: mid-answer (the next token
 ends the answer) and mid-load (the next progress report ends the load). A chat request stopped
 before it began (the window numbers them: options["request"]) is not run; one the worker began
-meanwhile ends at its first token. Any engine error becomes a `failed` message; the worker stays
-usable.
+meanwhile ends at its first token. A load stopped before the window saw it begin (numbered too:
+settings["request"]) stops before the loaded model goes, where it has not gone yet: that model stays. Any engine
+error becomes a `failed` message; the worker stays usable.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class EngineWorker(QObject):
         super().__init__()
         self.cancel = threading.Event()
         self.stopped_request = 0  # the chat request (options["request"]) the window stopped before it saw it begin
+        self.stopped_load = 0  # the load (settings["request"]) the window stopped before it saw it begin
         self.unload_asked = False  # the window's Unload, queued behind what runs now, is still to come (_unload)
         self.demo_dir = demo_dir
         self._folder = None
@@ -171,6 +173,9 @@ class EngineWorker(QObject):
     @Slot(str, dict)
     def _load(self, path: str, settings: dict) -> None:
         self.cancel.clear()
+        request = settings.get("request")
+        if request is not None and request == self.stopped_load:  # (its stop's cancel came before the clear)
+            self.cancel.set()
         self.busyChanged.emit("loading")
         kept = f"; {self._loaded_facts.name} stays loaded" if self._model is not None else ""
         unloaded = None  # once this load has dropped the model loaded before: its name ('' where none was)

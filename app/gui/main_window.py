@@ -205,6 +205,7 @@ class MainWindow(QMainWindow):
         self._load_note = ""  # the last of the worker's load notes the status bar showed (_on_load_note)
         self._chat_requests = 0  # the chat's requests to the worker, numbered (EngineWorker.stopped_request)
         self._chat_waiting: int | None = None  # the one sent whose answer has not come back
+        self._loads = 0  # the window's loads sent to the worker, numbered (EngineWorker.stopped_load)
         history_box = QWidget()
         history_column = QVBoxLayout(history_box)
         history_column.setContentsMargins(4, 4, 4, 4)
@@ -666,7 +667,8 @@ class MainWindow(QMainWindow):
         self.graphs.add_marker("load", "load")
         self._cancel_when_started = None
         self._waiting = "loading"
-        self.worker.requestLoad.emit(path, settings)
+        self._loads += 1
+        self.worker.requestLoad.emit(path, {**settings, "request": self._loads})
         self._update_state()
 
     @Slot()
@@ -701,6 +703,10 @@ class MainWindow(QMainWindow):
             elif self._waiting in STOPPABLE:  # queued, not started: cancelled as it starts
                 what = STOPPABLE[self._waiting]
                 self._cancel_when_started = self._waiting
+                if self._waiting == "loading":  # stopped now, not once the window hears it began: the worker may have
+                    # begun it and be about to drop the loaded model, which a load stopped before that keeps
+                    self.worker.stopped_load = self._loads
+                    self.worker.cancel.set()
             else:
                 return
         self._stopping = what
