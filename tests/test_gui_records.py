@@ -618,6 +618,25 @@ def test_side_by_side_says_b_could_not_load_beside_a_where_the_device_had_too_li
         "(they are /model/layers.0/moe/QMoE, /model/layers.1/moe/QMoE)")
 
 
+def test_side_by_side_does_not_blame_a_where_bs_own_gpu_device_mem_limit_left_it_too_little(tmp_path):
+    """B refused under its own gpu_device_mem_limit, which bounds what B has free whatever A holds, was said to have
+    failed "(beside A, which stays loaded and holds 1.1 MiB of the device)": the limit's sums alone say why."""
+    import app.gui.records_jobs as jobs
+
+    card, entries = SHARED_CARD["device"]["capacity"], SHARED_CARD["entries"]
+    device = SimulatedDevice(card)
+    left = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig.from_entries(entries), device=device)
+    ctx = jobs.JobContext(left, device, SHARED_CARD["device"], threading.Event(), lambda *_: None, lambda _: None,
+                          lambda *_: None)
+    job = jobs.SideBySideJob("Hi", 1, {**entries, "mode": "required", "gpu_device_mem_limit": "100000"},
+                             history_path=str(tmp_path / "h.sqlite"))
+    failure = job(ctx).comparison.failures[1]
+    assert failure.startswith("B's model: offload mode 'required': the automatic expert budget of 0 bytes holds no "
+                              "expert")
+    assert failure.endswith("it keeps 28.7 KiB for KV cache and workspace (reserve_device_bytes); set a smaller "
+                            "reserve, a device_expert_bytes or a larger gpu_device_mem_limit")
+
+
 def test_side_by_side_says_bs_gpu_out_of_memory_as_bs_offload_mode_says_it(tmp_path, monkeypatch):
     """B under mode=disabled (every expert beside the dense part, the expert budgets not applied) beside an A under
     mode=auto: B's load that ran out of the card's memory failed the whole comparison, said as A's mode says it

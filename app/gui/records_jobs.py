@@ -27,7 +27,7 @@ from engine.units import counted, human_bytes
 from engine.records.side_by_side import Comparison, Side, compare
 from engine.offload.device_memory import DeviceMemoryError
 from engine.offload.layer_split import BOTH as BOTH_SPLITS
-from engine.offload.planner import DeviceShort
+from engine.offload.planner import DeviceShort, under_limit
 from engine.offload.projection import is_simulated
 from engine.sampling import SamplingParams, model_sampling, recorded
 from engine.records.sweep import (SweepCancelled, SweepPoint, check_mode, fitting_scenarios, reasoning_length_note,
@@ -432,8 +432,9 @@ class SideBySideJob:
             if not users_error(exc):
                 raise
             short = isinstance(exc, (DeviceShort, DeviceMemoryError)) or gpu_out_of_memory(exc)
+            # not where B's own gpu_device_mem_limit bounds what it has free: A's part of the card is not why then
             beside = (f" (beside A, which stays loaded and holds {human_bytes(held_by_a)} of the device)"
-                      if device is not None and held_by_a and short else "")
+                      if device is not None and held_by_a and short and not under_limit(device) else "")
             # the error names the file; the card's memory is said as B's own mode says it
             right = Side(None, label=self.labels[1], failure=f"B's model: {one_line(exc, config.mode)}{beside}")
         if right.model is not None:
