@@ -1788,6 +1788,23 @@ def test_bs_settings_keep_a_hash_inside_a_value():
                                                                                      "mode": "required"}
 
 
+def test_bs_misspelt_layer_split_or_decode_path_is_said_with_the_setting_it_likely_meant():
+    """B's settings take layer_split and decode_path beside onnxruntime's keys, but one misspelt (layer_splt) was
+    refused with onnxruntime's keys as the known ones, neither of these among them, so nothing pointed at the typo."""
+    from app.gui.side_by_side_view import parse_entries
+    from engine.errors import WorkbenchError
+
+    for given, meant in (("layer_splt=whole", "layer_split"), ("decode_pth=cpu", "decode_path"),
+                         ("session.moe.offload.layer_split=whole", "layer_split")):
+        with pytest.raises(WorkbenchError) as refused:
+            parse_entries(given)
+        key = given.partition("=")[0]
+        assert str(refused.value) == f"B's settings: unknown offload key '{key}': did you mean '{meant}'?"
+    with pytest.raises(WorkbenchError) as refused:
+        parse_entries("seed=1")
+    assert ", decode_path, " in str(refused.value) and ", layer_split, " in str(refused.value)
+
+
 def test_streaming_slots_at_zero_are_off_not_a_value_onnxruntime_refuses(qapp, gptoss):
     """The Streaming slots slider's left end (or a typed 0) with 'off' unticked gave device_working_bytes=0, which
     onnxruntime refuses (bytes > 0) and so did Apply and the next load ('expected an integer >= 1'), while the

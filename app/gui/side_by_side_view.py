@@ -94,7 +94,8 @@ def parse_entries(text: str) -> dict:
 
 def offload_entries(entries: dict) -> OffloadConfig:
     """The offload configuration of B's entries (all but this app's own settings)."""
-    return OffloadConfig.from_entries({key: value for key, value in entries.items() if key not in OWN_KEYS})
+    return OffloadConfig.from_entries({key: value for key, value in entries.items() if key not in OWN_KEYS},
+                                      also_known=tuple(OWN_KEYS))
 
 
 def entries_text(entries: dict) -> str:

@@ -110,8 +110,9 @@ class OffloadConfig:
                 if key in given and narrowed not in given]
 
     @classmethod
-    def from_entries(cls, entries: dict[str, str]) -> "OffloadConfig":
-        """From key=value entries, full (`session.moe.offload.mode`) or short (`mode`) names."""
+    def from_entries(cls, entries: dict[str, str], also_known: tuple[str, ...] = ()) -> "OffloadConfig":
+        """From key=value entries, full (`session.moe.offload.mode`) or short (`mode`) names. `also_known`: the names
+        the caller takes beside these entries (a side-by-side B's layer_split), which an unknown key's hint offers."""
         values, given_as = {}, {}
         for raw_key, raw_value in entries.items():
             key = short_key(raw_key)
@@ -123,7 +124,7 @@ class OffloadConfig:
                                              f"its name now is '{PREFIX}{rest}'" if short_key(rest) in _PARSERS
                                              else f"{PREFIX}* has no '{rest}'"))
             if parser is None:
-                names = [*_PARSERS, *ALIASES]
+                names = [*_PARSERS, *ALIASES, *also_known]
                 near = difflib.get_close_matches(key, names, n=1)
                 raise OffloadConfigError(f"unknown offload key '{raw_key}'" + (
                     f": did you mean '{near[0]}'?" if near else f" (known: {', '.join(sorted(names))})"))
