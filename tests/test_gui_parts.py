@@ -1463,6 +1463,25 @@ def test_side_by_side_on_the_cpu_says_only_the_device_settings_b_changed_did_not
     assert idle_settings_text(a, record(device_expert_bytes="105984")).startswith(" B's placement changed nothing")
 
 
+def test_side_by_side_on_the_cpu_says_bs_layer_split_or_decode_path_changed_nothing():
+    """B's layer_split=whole or decode_path=tier beside an A loaded for the CPU ran every expert on the CPU as A did
+    (its record: whole layers asked, the CPU path in force), and the comparison said nothing of it, where it says so
+    of B's device_expert_bytes: the two answers read as whole layers or the host tier making no difference."""
+    from types import SimpleNamespace
+
+    from app.gui.side_by_side_view import idle_settings_text
+
+    def record(split="spread", path="cpu"):
+        return SimpleNamespace(offload={"device": "cpu", "entries": {}, "layer_split": {"mode": split},
+                                        "decode_path": {"mode": path, "in_force": "cpu"}})
+
+    assert idle_settings_text(record(), record()) == ""
+    assert idle_settings_text(record(), record(split="whole")).startswith(
+        " B's layer_split changed nothing: the model is loaded for the CPU, where every expert runs")
+    assert idle_settings_text(record(), record(split="whole", path="tier")).startswith(
+        " B's layer_split, decode_path changed nothing: ")
+
+
 def test_side_by_sides_columns_show_each_sides_device_peak(qapp):
     """Each side's record measures its device's peak (history's "device peak"), yet the columns showed speed only:
     two budgets compared without what each held on the device. A side without a device says so."""

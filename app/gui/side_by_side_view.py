@@ -135,6 +135,9 @@ def idle_settings_text(a, b) -> str:
     a_entries, b_entries = a.offload.get("entries", {}), b.offload.get("entries", {})
     idle = keys_among({key for key in {*a_entries, *b_entries} if a_entries.get(key) != b_entries.get(key)},
                       DEVICE_KEYS)
+    # this app's own settings choose among a device's ways too: the records hold them beside the entries
+    idle += [key for key in OWN_KEYS
+             if (a.offload.get(key) or {}).get("mode") != (b.offload.get(key) or {}).get("mode")]
     if b.offload.get("device") != "cpu" or not idle:
         return ""
     if b.offload.get("device_fallback"):  # the CUDA GPU was chosen, and B could not have it
