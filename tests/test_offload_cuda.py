@@ -200,7 +200,9 @@ def test_cuda_a_dropped_model_closes_its_device_without_a_garbage_collection(fol
     budget = device_total(folder) // 2
     gc.collect()  # earlier tests' devices, where a collection has yet to find them
     pool = cupy.get_default_memory_pool()
-    before, limit = pool.get_limit(), 8 << 30
+    # (no cap under "both": onnxruntime's GPU arena, registered without one by an earlier test in this process, would
+    # refuse a capped model its dense part on the GPU; the cap's going is the dense-on-cpu case's to show)
+    before, limit = pool.get_limit(), 0 if both else 8 << 30
     gc.disable()
     try:
         device = open_cuda_device(mem_limit=limit)
@@ -214,7 +216,7 @@ def test_cuda_a_dropped_model_closes_its_device_without_a_garbage_collection(fol
         nodes = [runner for runner in model.decoder.steps if getattr(runner, "last_split", None) is not None]
         assert len(nodes) == (SPEC.layers if case == "both" else 0)
         assert (model.decoder.layers_beside > 0) == (case == "both-worker")
-        assert pool.get_limit() == limit
+        assert pool.get_limit() == limit  # (0: none while an open device has no cap)
         thread = model.decoder._worker._thread if case == "both-worker" else None
         dropped = [weakref.ref(held) for held in (model, model.offload, device, *nodes)]
         del model, device, nodes
