@@ -2323,3 +2323,38 @@ def test_the_decode_path_and_working_memory_tooltips_say_what_the_host_tier_take
     assert ("its device mappings round each slot array up to the 2.0 MiB granule, one granule even with no slot"
             in PATH_TIP)
     assert "Used where decode computes cold experts on the CPU: under the host tier the GPU reads those" in WORKING_TIP
+
+
+def test_a_cells_tooltip_follows_the_live_updates_while_it_shows(qtbot):
+    """The tooltip was written when the mouse moved: live while generating, a cell that placement made resident (blue)
+    went on saying 'cold' with the counts of that moment, and a tooltip left over a model unloaded named its layer. It
+    now says the cell's data again at every update, and goes where the cell does."""
+    from PySide6.QtCore import QEvent, QPointF, Qt
+    from PySide6.QtGui import QMouseEvent
+    from PySide6.QtWidgets import QToolTip
+
+    from app.gui.placement_view import Heatmap
+
+    heatmap = Heatmap()
+    heatmap.resize(600, 200)
+    heatmap.show()
+
+    def update(resident: bool, hits: int) -> None:
+        heatmap.set_data({"resident": np.array([[resident, False]]), "traffic": np.ones((1, 2), np.float32),
+                          "valid": np.ones((1, 2), bool), "placement": "adaptive", "layer_names": ["a/QMoE"],
+                          "layer_index": [0], "bytes_per_expert": [1024],
+                          "layers": [{"hits": hits, "misses": 1, "swaps": 0, "expert_hits": np.array([hits, 0]),
+                                      "expert_misses": np.array([1, 0])}]})
+
+    update(False, 0)
+    where = QPointF(Heatmap.LEFT + 2, Heatmap.TOP + 2)  # expert 0
+    heatmap.mouseMoveEvent(QMouseEvent(QEvent.Type.MouseMove, where, heatmap.mapToGlobal(where),
+                                       Qt.MouseButton.NoButton, Qt.MouseButton.NoButton,
+                                       Qt.KeyboardModifier.NoModifier))
+    assert QToolTip.isVisible() and QToolTip.text().splitlines()[0] == (
+        "Layer 0, expert 0: cold (a miss runs on the CPU, or is copied into a spare slot)")
+    update(True, 7)  # placement copied expert 0 in, and routing hit it 7 times since
+    assert QToolTip.text().splitlines()[0] == "Layer 0, expert 0: resident on the device"
+    assert QToolTip.text().splitlines()[3] == "This expert: 7 hits, 1 miss (routed tokens, counted exactly)"
+    heatmap.set_data(None)  # unloaded
+    qtbot.waitUntil(lambda: not QToolTip.isVisible(), timeout=2000)  # (Qt hides a tooltip after 300 ms)

@@ -58,6 +58,7 @@ class Heatmap(QWidget):
         self.missed: np.ndarray | None = None  # missed_now's answer for `data`
         self.mode = "residency"
         self._image = None
+        self._hover = None  # where the mouse showed a cell's tooltip: (position here, on the screen)
         self.setMouseTracking(True)
         self.setMinimumHeight(80)
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Expanding)
@@ -71,6 +72,8 @@ class Heatmap(QWidget):
         self.data = data
         self.missed = missed_now(data, before) if data else None
         self.update()
+        if self._hover is not None and QToolTip.isVisible():  # live while generating: said again with the new data
+            self._show_tooltip(*self._hover)
 
     def set_mode(self, mode: str) -> None:
         self.mode = mode
@@ -204,11 +207,19 @@ class Heatmap(QWidget):
         return "\n".join(lines)
 
     def mouseMoveEvent(self, event) -> None:
-        cell = self.cell_at(event.position().x(), event.position().y())
+        self._show_tooltip(event.position(), event.globalPosition().toPoint())
+
+    def leaveEvent(self, event) -> None:
+        self._hover = None
+        super().leaveEvent(event)
+
+    def _show_tooltip(self, position, on_screen) -> None:
+        cell = self.cell_at(position.x(), position.y())
+        self._hover = (position, on_screen) if cell is not None else None
         if cell is None:
             QToolTip.hideText()
             return
-        QToolTip.showText(event.globalPosition().toPoint(), self.tooltip_at(*cell), self)
+        QToolTip.showText(on_screen, self.tooltip_at(*cell), self)
 
 
 def split_table(data: dict, row: int) -> dict | None:
