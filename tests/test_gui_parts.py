@@ -2358,3 +2358,26 @@ def test_a_cells_tooltip_follows_the_live_updates_while_it_shows(qtbot):
     assert QToolTip.text().splitlines()[3] == "This expert: 7 hits, 1 miss (routed tokens, counted exactly)"
     heatmap.set_data(None)  # unloaded
     qtbot.waitUntil(lambda: not QToolTip.isVisible(), timeout=2000)  # (Qt hides a tooltip after 300 ms)
+
+
+def test_the_residency_legend_says_on_the_device_where_slots_are_left_to_copied_misses(qapp):
+    """Where placement leaves slots to copied misses, the summary counts '0 resident experts' in a layer whose two
+    blue cells are copied misses, and the legend called those cells 'resident'. It names them as the summary and the
+    tooltips do: on the device."""
+    from app.gui.placement_view import PlacementView
+
+    view = PlacementView()
+
+    def update(left: int) -> None:
+        view.set_stats({"resident": np.array([[True, True, False, False]]), "traffic": np.zeros((1, 4), np.float32),
+                        "valid": np.ones((1, 4), bool), "placement": "adaptive", "layer_names": ["a/QMoE"],
+                        "layer_index": [0], "bytes_per_expert": [1024], "slots": [2], "left_to_copies": [left],
+                        "layers": [{"hits": 3, "misses": 1, "swaps": 0}]})
+
+    update(2)
+    assert view.summary.text().startswith("2 of 4 experts on the device, in 2 slots: 0 resident experts, 2 left for "
+                                          "copied misses")
+    assert re.sub("<[^>]+>", "", view.legend.text()).split(" &nbsp; ")[0] == "■ on the device"
+    update(0)
+    assert view.summary.text().startswith("2 of 4 experts resident")
+    assert re.sub("<[^>]+>", "", view.legend.text()).split(" &nbsp; ")[0] == "■ resident"

@@ -285,14 +285,16 @@ def static_text(state: dict | None) -> str:
     return ""
 
 
-def legend_text(t: theme.Theme, mode: str, cpu_only: bool = False) -> str:
+def legend_text(t: theme.Theme, mode: str, cpu_only: bool = False, copies: bool = False) -> str:
     """The colours of the mode's cells (Heatmap._cells): residency, or traffic (stronger the more routing); on a
-    CPU-only load, where nothing is resident or missed, the one colour of each."""
+    CPU-only load, where nothing is resident or missed, the one colour of each. `copies`: placement leaves slots to
+    copied misses, and a blue cell may be one (slots_text counts them apart): on the device, not resident."""
     if cpu_only:
         return (f"<span style='color:{t.cold}'>■</span> on the CPU" if mode == "residency" else
                 f"<span style='color:{t.accent}'>■</span> routed (stronger: more routing)")
     if mode == "residency":
-        return (f"<span style='color:{t.accent}'>■</span> resident &nbsp; <span style='color:{t.cold}'>■</span> "
+        return (f"<span style='color:{t.accent}'>■</span> {'on the device' if copies else 'resident'} &nbsp; "
+                f"<span style='color:{t.cold}'>■</span> "
                 f"cold &nbsp; <span style='color:{t.miss}'>●</span> missed now")
     return (f"<span style='color:{t.accent}'>■</span> hits &nbsp; <span style='color:{t.miss}'>■</span> misses"
             " &nbsp; (stronger: more routing)")
@@ -480,8 +482,9 @@ class PlacementView(QWidget):
         self._show_legend(theme.current())
 
     def _show_legend(self, t: theme.Theme) -> None:
-        cpu_only = bool(self.heatmap.data and self.heatmap.data.get("cpu_only"))
-        self.legend.setText(legend_text(t, self.heatmap.mode, cpu_only))
+        data = self.heatmap.data or {}
+        self.legend.setText(legend_text(t, self.heatmap.mode, bool(data.get("cpu_only")),
+                                        bool(sum(data.get("left_to_copies") or []))))
 
     def clear(self) -> None:
         self.forget_rate()
