@@ -795,6 +795,30 @@ def test_the_placement_view_counts_the_slots_filled_at_load_apart_from_placement
     assert f"(75% hit rate), {counted(filled[0], 'slot')} filled, 0 swaps" in tooltip, tooltip
 
 
+def test_the_placement_view_and_graphs_forget_a_model_dropped_for_the_next_load(qtbot, window, tmp_path):
+    """Loading another model drops the loaded one first, but the placement view went on showing its layers, and the
+    Machine panel its simulated GPU's memory, until the next model had loaded (minutes on a large one). They are
+    cleared as the worker drops it; a load refused before that keeps them (the model stays loaded)."""
+    load(qtbot, window, fixture_folder("gptoss"), simulated())
+    assert window.placement.heatmap.data["resident"].shape == (2, 8)
+    from PySide6.QtCore import QObject, Slot
+
+    seen = []  # what the window showed as the next load's first progress came (the worker had dropped gptoss)
+
+    class Progress(QObject):  # (on the window's thread: the worker's signals come in their order)
+        @Slot(float)
+        def came(self, _fraction: float) -> None:
+            seen.append((window.placement.heatmap.data, window.placement.summary.text(), window.graphs._simulated))
+
+    progress = Progress()
+    window.worker.loadProgress.connect(progress.came)
+    load(qtbot, window, fixture_folder("lfm2moe"))
+    assert seen and seen[0] == (None, "No model loaded.", None)
+    assert window.placement.heatmap.data["resident"].shape == (3, 8)
+    load(qtbot, window, tmp_path / "gone")  # refused before lfm2moe goes: it stays loaded, and shown
+    assert window.error_banner.isVisible() and window.placement.heatmap.data["resident"].shape == (3, 8)
+
+
 def test_the_placement_view_says_static_placement_is_counting_routing_before_it_places(qtbot, window):
     """Static placement without a popularity file places nothing until its opening has counted routing (StaticPlacement):
     the view said '0 slots filled, 0 swaps' beside slots holding copied misses, as if that were its placement, and

@@ -69,6 +69,7 @@ class EngineWorker(QObject):
                                        # when the engine re-planned by itself
     landedChanged = Signal(list)       # "where everything landed" again: the engine re-weighed its miss slots
     unloaded = Signal()
+    dropped = Signal()                 # the loaded model went to free its memory for the next load (loading now)
     failed = Signal(str)               # one line for the user
     jobProgress = Signal(str, object, str)  # job kind, fraction done (None: how far cannot be told), what runs now
     jobStreamed = Signal(str, object)      # job kind, a batch of streamed answer text (the job's own shape)
@@ -201,6 +202,8 @@ class EngineWorker(QObject):
                 raise LoadCancelled("loading stopped")
             unloaded = self._loaded_facts.name if self._model is not None else ""
             self._drop_model()
+            if unloaded:
+                self.dropped.emit()
             if not opened_first:
                 device = self._make_device(settings.get("device", {}), config, notes)
             self._device_choice = dict(settings.get("device", {}))

@@ -287,6 +287,7 @@ class MainWindow(QMainWindow):
         w.replanned.connect(self._on_replanned)
         w.landedChanged.connect(self.model_panel.show_landed)
         w.unloaded.connect(self._on_unloaded)
+        w.dropped.connect(self._on_dropped)
         w.failed.connect(self._on_failed)
         w.jobProgress.connect(self._on_job_progress)
         w.jobStreamed.connect(self._on_job_streamed)
@@ -973,6 +974,13 @@ class MainWindow(QMainWindow):
             self.status_state.setText("Idle")
         self.chat.live.setText("No model loaded: load one to chat.")
         self._update_state()
+
+    @Slot()
+    def _on_dropped(self) -> None:
+        # the next load runs (minutes on a large model): the model it replaced is gone, its layers and memory with it
+        self.placement.clear()
+        self.graphs.set_simulated_memory(None)
+        self.graphs.set_cuda_device("")
 
     def show_error(self, message: str) -> None:
         """Any error, the engine's or the window's own, as a message (never a crash)."""
