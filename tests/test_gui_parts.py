@@ -802,6 +802,17 @@ def test_the_placement_summary_counts_every_miss_and_the_legend_follows_the_mode
     assert "missed now" in view.legend.text()
 
 
+def test_the_graphs_time_axis_counts_seconds_ago_upward(qapp):
+    """The samples sit at their seconds before the last (x below 0), and the axis said 'seconds ago' under '-60',
+    '-30', '0': a minute ago read as -60 seconds ago. It reads 60, 30, 0."""
+    from app.gui.graphs_panel import GraphsPanel
+
+    graphs = GraphsPanel()
+    axis = graphs.tps_plot.getAxis("bottom")
+    assert axis.labelText == "seconds ago"
+    assert axis.tickStrings([-60.0, -30.0, 0.0], 1.0, 30.0) == ["60", "30", "0"]
+
+
 def test_the_tokens_graph_reads_the_rate_while_answering(qapp):
     from app.gui.graphs_panel import GraphsPanel
 

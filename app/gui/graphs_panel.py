@@ -33,6 +33,13 @@ def _brush(colour: str, alpha: int):
     return pg.mkBrush(c)
 
 
+class AgoAxis(pg.AxisItem):
+    """The time axis: samples sit at their seconds before the last (x below 0), read as 'seconds ago' (60, not -60)."""
+
+    def tickStrings(self, values, scale, spacing):
+        return super().tickStrings([abs(value) for value in values], scale, spacing)
+
+
 class GraphsPanel(QWidget):
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -106,7 +113,7 @@ class GraphsPanel(QWidget):
     def _plot(self, key: str, title: str) -> pg.PlotItem:
         header = QLabel(f"<b>{title}</b>")
         header.setWordWrap(True)
-        widget = pg.PlotWidget()
+        widget = pg.PlotWidget(axisItems={"bottom": AgoAxis("bottom")})
         widget.setMinimumHeight(70)
         widget.setAccessibleName(title)
         plot = widget.getPlotItem()
