@@ -881,6 +881,8 @@ def test_the_chat_keys_on_the_side_by_side_tab_answer_both_and_leave_the_hidden_
 
 
 def test_contention_view_times_three_phases_and_saves_the_report(qtbot, window, tmp_path):
+    from engine.records.contention import ratio_words
+
     load(qtbot, window, "gptoss")
     view = window.contention_view
     view.corpus.setText(str(make_corpus(tmp_path / "corpus", files=12, words_per_file=200)))
@@ -894,7 +896,7 @@ def test_contention_view_times_three_phases_and_saves_the_report(qtbot, window, 
     assert report.indexing_with_inference_s > 0 and report.inference_with_indexing_s > 0
     assert view.table.item(0, 1).text() == f"{seconds_figures(report.indexing_alone_s)} s"
     assert view.table.item(1, 2).text() == f"{seconds_figures(report.inference_with_indexing_s)} s"
-    assert view.table.item(1, 3).text() == f"{report.inference_slowdown:.2f}×"
+    assert view.table.item(1, 3).text() == ratio_words(report.inference_slowdown)
     shares = report.others_share
     assert view.bar.status.text().endswith(f"Other processes took {shares['indexing_alone']:.0%} and "
                                            f"{shares['inference_alone']:.0%} of the CPUs' time while each ran alone.")
@@ -1012,13 +1014,32 @@ def test_the_contention_tables_give_a_fast_answers_time_in_figures_that_tell_it(
     from engine.records.contention import ContentionReport
 
     report = ContentionReport(1, 12, 1.5, 0.00412, 2.25, 0.0087)
-    assert report.markdown().splitlines()[2:4] == ["| indexing 12 files, 1 worker | 1.50 s | 2.25 s | 1.50x |",
-                                                   "| inference | 0.00412 s | 0.00870 s | 2.11x |"]
+    assert report.markdown().splitlines()[2:4] == [
+        "| indexing 12 files, 1 worker | 1.50 s | 2.25 s | 1.50x (slower) |",
+        "| inference | 0.00412 s | 0.00870 s | 2.11x (slower) |"]
     view = ContentionView()
     qtbot.addWidget(view)
     view.on_finished(ContentionResult(report, "corpus"))
-    assert [view.table.item(1, c).text() for c in range(1, 4)] == ["0.00412 s", "0.00870 s", "2.11×"]
-    assert [view.table.item(0, c).text() for c in range(1, 4)] == ["1.50 s", "2.25 s", "1.50×"]
+    assert [view.table.item(1, c).text() for c in range(1, 4)] == ["0.00412 s", "0.00870 s", "2.11× (slower)"]
+    assert [view.table.item(0, c).text() for c in range(1, 4)] == ["1.50 s", "2.25 s", "1.50× (slower)"]
+
+
+def test_the_contention_tables_last_column_is_time_together_over_alone_and_says_a_faster_run_is_faster(qtbot):
+    """The column was headed "slowdown": an indexing that took 0.65 of its time alone beside the inference read
+    "0.65×" under it, a slowdown that was a speed-up. The header says what the figure is, and the figure which way."""
+    from app.gui.contention_view import ContentionView
+    from app.gui.records_jobs import ContentionResult
+    from engine.records.contention import ContentionReport
+
+    report = ContentionReport(1, 12, 2.0, 1.0, 1.3, 1.002)
+    assert report.markdown().splitlines()[:4] == [
+        "| workload | alone | together | time together / alone |", "|---|---|---|---|",
+        "| indexing 12 files, 1 worker | 2.00 s | 1.30 s | 0.65x (faster) |", "| inference | 1.00 s | 1.00 s | 1.00x |"]
+    view = ContentionView()
+    qtbot.addWidget(view)
+    view.on_finished(ContentionResult(report, "corpus"))
+    assert view.table.horizontalHeaderItem(3).text() == "time together / alone"
+    assert [view.table.item(r, 3).text() for r in range(2)] == ["0.65× (faster)", "1.00×"]
 
 
 def test_the_windows_record_and_contention_test_past_the_context_do_not_say_to_start_a_new_conversation(

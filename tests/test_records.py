@@ -1071,7 +1071,7 @@ def test_a_contention_report_of_one_worker_says_one_worker():
                                                                          "cpu_threads_changes": 3},
                               threads_together={"cpu_threads_in_force": 1, "cpu_threads_automatic": True,
                                                 "cpu_threads_changes": 4})
-    assert report.markdown().splitlines()[2] == "| indexing 1 file, 1 worker | 2.00 s | 2.20 s | 1.10x |"
+    assert report.markdown().splitlines()[2] == "| indexing 1 file, 1 worker | 2.00 s | 2.20 s | 1.10x (slower) |"
     assert report.markdown().splitlines()[-1].endswith("(cpu_threads automatic: it moved 1 time meanwhile).")
 
 

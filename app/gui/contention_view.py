@@ -13,7 +13,7 @@ from app.gui.job_bar import JobBar
 from app.gui.records_jobs import ContentionJob, ContentionResult
 from app.gui.widgets import AnswerLength
 from engine.errors import not_written
-from engine.records.contention import MAX_WORKERS, STAND_IN, ContentionReport, phase_after
+from engine.records.contention import MAX_WORKERS, RATIO_HEADER, STAND_IN, ContentionReport, phase_after, ratio_words
 from engine.records.lengths import SCENARIO_TOKENS
 from engine.records.scenarios import SCENARIOS
 from engine.units import seconds_figures
@@ -47,7 +47,7 @@ class ContentionView(QWidget):
         note = QLabel("Cancel takes effect between phases: indexing that has started runs to its end.")
         note.setWordWrap(True)
         self.table = QTableWidget(2, 4)
-        self.table.setHorizontalHeaderLabels(("workload", "alone", "together", "slowdown"))
+        self.table.setHorizontalHeaderLabels(("workload", "alone", "together", RATIO_HEADER))
         self.table.setAccessibleName("Contention results")
         self.table.verticalHeader().hide()
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
@@ -113,7 +113,7 @@ class ContentionView(QWidget):
                  report.inference_with_indexing_s, report.inference_slowdown))
         for r, (name, alone, together, slowdown) in enumerate(rows):
             for c, text in enumerate((name, f"{seconds_figures(alone)} s", f"{seconds_figures(together)} s",
-                                      f"{slowdown:.2f}×")):
+                                      ratio_words(slowdown))):
                 self.table.setItem(r, c, QTableWidgetItem(text))
         self.save_button.setEnabled(True)
         shares = report.others_share or {}
