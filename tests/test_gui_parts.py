@@ -509,6 +509,29 @@ def test_contention_rules():
     assert watch.baseline == 10e9 and watch.current == 6e9 and watch.warning() == ""  # 60%: not clearly below
 
 
+def test_a_one_sample_spike_raises_no_warning_and_a_competitor_between_its_jobs_does():
+    """A process on the cores for one second (a browser's tab opening) raised the banner, which then stayed for the
+    three calm samples after: four seconds of warning about nothing that lasted. A build that takes the cores one
+    second in two is still said, at its second busy sample, and one busy before the answer began at the answer's
+    first; host memory's warning, like the CPU's, waits for two."""
+    from app.gui.contention import WarningHold
+
+    calm = {"cpu_per_core": [50.0] * 2, "others_cpu_cores": 0.1, "ram_total": 100, "ram_available": 50, "gpu": None}
+    busy = dict(calm, others_cpu_cores=1.2, top_cpu=[{"name": "firefox", "cores": 1.1}])
+    hold = WarningHold()
+    assert [hold.update(sample_warnings(s)) for s in (calm, busy, calm, calm, calm)] == [[]] * 5
+    said = ["Other processes use 1.2 of 2 CPU cores: firefox (1.1 cores)."]
+    assert [hold.update(sample_warnings(s)) for s in (busy, calm, busy, calm)] == [[], [], said, said]
+    hold.reset()  # a new answer; the competitor was busy the second before it began, between answers
+    hold.note(sample_warnings(busy))
+    assert hold.update(sample_warnings(busy)) == said
+    hold = WarningHold()
+    full = dict(calm, ram_available=5)
+    assert [len(hold.update(sample_warnings(full))) for _ in range(2)] == [0, 1]
+    hold.reset()  # the throughput's warning is a median of readings already: said at once
+    assert hold.update({"throughput": "CPU expert throughput fell."}) == ["CPU expert throughput fell."]
+
+
 def test_a_cpu_competitor_is_named_with_its_cores_and_its_memory():
     """'Other processes use 2.5 of 8 CPU cores: python indexer.py (240%)': a percentage beside a count of cores (of
     one core? of all?), and nothing of the memory the competitor holds, which the walk of processes had measured."""

@@ -23,6 +23,8 @@ HOST_OTHERS_SHARE = 0.25      # ...named as the cause where other processes (and
 VRAM_OTHERS_SHARE = 0.10      # other processes holding this share of the GPU's memory
 CPU_STEAL_SHARE = 0.10        # a virtual machine's CPUs losing this share of their time to other guests
 THROUGHPUT_DROP = 0.50        # current / start below this: warn
+RAISE_SAMPLES = 2             # samples of the last RAISE_WITHIN that show a warning before it is raised...
+RAISE_WITHIN = 3              # ...so one second's spike raises none, and a build between its jobs still does
 CALM_SAMPLES = 3              # calm samples in a row before a raised warning comes down
 KINDS = ("cpu", "steal", "host memory", "vram", "throughput")  # the banner's order
 
@@ -32,7 +34,8 @@ THRESHOLDS = (f"Said while the model generates, where other processes use at lea
               f"{CPU_STEAL_SHARE:.0%} of its CPU time, less than {HOST_AVAILABLE_SHARE:.0%} of host memory is "
               f"available, other processes hold at least {VRAM_OTHERS_SHARE:.0%} of the memory of the GPU the model "
               f"runs on, or the CPU experts' throughput falls below {THROUGHPUT_DROP:.0%} of its best since the load. "
-              f"Each goes after {CALM_SAMPLES} calm samples in a row; ✕ keeps it down until then.")
+              f"Each is said once {RAISE_SAMPLES} of {RAISE_WITHIN} samples in a row show it, and goes after "
+              f"{CALM_SAMPLES} calm samples in a row; ✕ keeps it down until then.")
 
 
 def _cpu(p: dict) -> str:
@@ -120,13 +123,25 @@ class WarningHold:
     """The warnings the banner shows, each kind (sample_warnings's, and "throughput") held on its own: one raised stays
     up until CALM_SAMPLES samples in a row are calm of it, so a competitor hovering at a threshold (a build between
     its compile jobs) neither blinks the banner every second nor comes and goes from its text beside another. Those
-    the user dismissed stay unsaid until they have come down."""
+    the user dismissed stay unsaid until they have come down. A sample's kind is raised only once RAISE_SAMPLES of the
+    last RAISE_WITHIN samples show it: a process that took the cores for one second (a browser's tab opening) put
+    the banner up for four seconds. The throughput's is raised at once: it is a median of readings already."""
     shown: dict[str, str] = field(default_factory=dict)
     calm: dict[str, int] = field(default_factory=dict)
     dismissed: set[str] = field(default_factory=set)
+    recent: dict[str, list[bool]] = field(default_factory=dict)  # whether each of the last samples showed the kind
 
     def reset(self) -> None:
+        """A new answer: nothing said yet. The samples just before it still count toward raising (note)."""
         self.shown, self.calm, self.dismissed = {}, {}, set()
+
+    def note(self, warnings: dict[str, str]) -> None:
+        """A sample's warnings, counted toward raising: between answers too, or a competitor busy all along went unsaid
+        in an answer shorter than RAISE_SAMPLES samples."""
+        for kind in KINDS:
+            seen = self.recent.setdefault(kind, [])
+            seen.append(kind in warnings)
+            del seen[:-RAISE_WITHIN]
 
     def dismiss(self) -> None:
         self.dismissed = set(self.shown)
@@ -138,8 +153,10 @@ class WarningHold:
                 if self.calm[kind] >= CALM_SAMPLES:
                     del self.shown[kind], self.calm[kind]
                     self.dismissed.discard(kind)
+        self.note(warnings)
         for kind, text in warnings.items():
-            self.shown[kind], self.calm[kind] = text, 0
+            if kind in self.shown or kind == "throughput" or sum(self.recent[kind]) >= RAISE_SAMPLES:
+                self.shown[kind], self.calm[kind] = text, 0
         return [self.shown[kind] for kind in KINDS if kind in self.shown and kind not in self.dismissed]
 
 

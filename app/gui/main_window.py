@@ -997,15 +997,17 @@ class MainWindow(QMainWindow):
     def _on_sample(self, sample: dict) -> None:
         self.graphs.add_sample(sample)
         self.budget_panel.set_gpu(sample.get("gpu"), sample.get("gpu_note", ""))
-        if self.busy == "generating":
-            warnings = sample_warnings(sample, self.model_on_gpu)
-            # the CPU's warning still held counts too: the kernels' rate lags the samples (a median of readings, and
-            # the automatic thread count coming back a second after a competitor ends)
-            held = "cpu" in self.warnings.shown or "steal" in self.warnings.shown
-            slow = self.watch.warning(cpu_taken(sample) or held or self.threads_given_way)
-            if slow:
-                warnings["throughput"] = slow
-            self.show_contention(self.warnings.update(warnings))
+        warnings = sample_warnings(sample, self.model_on_gpu)
+        if self.busy != "generating":
+            self.warnings.note(warnings)  # (a competitor busy before an answer is said at the answer's first sample)
+            return
+        # the CPU's warning still held counts too: the kernels' rate lags the samples (a median of readings, and
+        # the automatic thread count coming back a second after a competitor ends)
+        held = "cpu" in self.warnings.shown or "steal" in self.warnings.shown
+        slow = self.watch.warning(cpu_taken(sample) or held or self.threads_given_way)
+        if slow:
+            warnings["throughput"] = slow
+        self.show_contention(self.warnings.update(warnings))
 
     def show_contention(self, warnings: list[str]) -> None:
         """The warnings held up while generating (WarningHold); none takes the banner down (it stayed up, saying
