@@ -488,7 +488,9 @@ def test_contention_rules():
     calm = {"cpu_per_core": [50.0] * 8, "others_cpu_cores": 0.4, "ram_total": 100, "ram_available": 50, "gpu": None}
     assert warned(calm) == []
     busy = dict(calm, others_cpu_cores=2.5, top_cpu=[{"name": "python indexer.py", "cores": 2.4}])
-    assert warned(busy) == ["Other processes use 2.5 of 8 CPU cores: python indexer.py (2.4 cores)."]
+    # what competes, how much, and what to do: the CPU's and the card's said nothing of the last
+    assert warned(busy) == ["Other processes use 2.5 of 8 CPU cores: python indexer.py (2.4 cores)."
+                            " The CPU expert kernels run on the cores they leave: pausing them speeds the answer."]
     full = dict(calm, ram_total=100 << 30, ram_available=5 << 30, ram_this=10 << 30, ram_others=85 << 30,
                 top_ram=[{"name": "firefox", "rss": 3 << 30}])
     assert warned(full) == ["Host memory is nearly full (5.0 GiB of 100.0 GiB available; this process holds "
@@ -498,7 +500,8 @@ def test_contention_rules():
                                     "time): the CPU's expert kernels run slower and less evenly."]
     assert warned(dict(calm, cpu_steal_share=0.05)) == []
     gpu = dict(calm, gpu={"total": 80 << 30, "others": 20 << 30, "top": [{"name": "blender", "bytes": 20 << 30}]})
-    assert "blender (20.0 GiB)" in warned(gpu)[0]
+    assert warned(gpu) == ["Other processes hold 20.0 GiB of the GPU's 80.0 GiB: blender (20.0 GiB). Memory they free "
+                           "leaves room for more resident experts (device_expert_bytes)."]
     # a driver that hides per-process memory (a container): NVML's "others" is all in use, this process's included
     hidden = dict(calm, gpu={"total": 80 << 30, "used": 40 << 30, "this": 0, "others": 40 << 30, "top": [],
                              "per_process": False})
@@ -520,7 +523,8 @@ def test_a_one_sample_spike_raises_no_warning_and_a_competitor_between_its_jobs_
     busy = dict(calm, others_cpu_cores=1.2, top_cpu=[{"name": "firefox", "cores": 1.1}])
     hold = WarningHold()
     assert [hold.update(sample_warnings(s)) for s in (calm, busy, calm, calm, calm)] == [[]] * 5
-    said = ["Other processes use 1.2 of 2 CPU cores: firefox (1.1 cores)."]
+    said = ["Other processes use 1.2 of 2 CPU cores: firefox (1.1 cores)."
+            " The CPU expert kernels run on the cores they leave: pausing them speeds the answer."]
     assert [hold.update(sample_warnings(s)) for s in (busy, calm, busy, calm)] == [[], [], said, said]
     hold.reset()  # a new answer; the competitor was busy the second before it began, between answers
     hold.note(sample_warnings(busy))
@@ -539,7 +543,8 @@ def test_a_cpu_competitor_is_named_with_its_cores_and_its_memory():
             "top_cpu": [{"name": "python indexer.py", "cores": 2.4, "rss": 3 << 29},
                         {"name": "make and 3 processes it started", "cores": 0.06, "rss": 0}]}
     assert warned(busy) == ["Other processes use 2.5 of 8 CPU cores: python indexer.py (2.4 cores, 1.5 GiB "
-                                  "resident), make and 3 processes it started (0.1 cores)."]
+                                  "resident), make and 3 processes it started (0.1 cores). The CPU expert kernels run "
+                                  "on the cores they leave: pausing them speeds the answer."]
 
 
 def test_the_throughput_watch_measures_against_its_best_not_a_cold_start():

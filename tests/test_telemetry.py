@@ -107,9 +107,12 @@ def test_other_processes_count_only_on_the_cpus_this_process_may_run_on(monkeypa
     here = _four_cpus(monkeypatch, [10.0, 10.0, 100.0, 100.0], ours={2, 3})
     assert here["others_cpu_cores"] == pytest.approx(1.9)
     assert warned(dict(here, gpu=None)) == [
-        "Other processes use 1.9 of the 2 CPU cores this process may run on (of 4)."]
+        "Other processes use 1.9 of the 2 CPU cores this process may run on (of 4)."
+        " The CPU expert kernels run on the cores they leave: pausing them speeds the answer."]
     everywhere = _four_cpus(monkeypatch, [100.0, 100.0, 10.0, 10.0], ours={0, 1, 2, 3})
-    assert warned(dict(everywhere, gpu=None)) == ["Other processes use 2.1 of 4 CPU cores."]
+    assert warned(dict(everywhere, gpu=None)) == [
+        "Other processes use 2.1 of 4 CPU cores. The CPU expert kernels run on the cores they leave: pausing them "
+        "speeds the answer."]
 
 
 class _Times:
@@ -217,7 +220,8 @@ def test_with_a_cpu_offline_the_cores_this_process_may_run_on_are_found_by_numbe
     assert sample["cpu_ours"] == [5, 6] and sample["others_cpu_cores"] == pytest.approx(1.9)
     assert walked == [{6, 7}]
     assert warned(dict(sample, gpu=None)) == [
-        "Other processes use 1.9 of the 2 CPU cores this process may run on (of 7)."]
+        "Other processes use 1.9 of the 2 CPU cores this process may run on (of 7)."
+        " The CPU expert kernels run on the cores they leave: pausing them speeds the answer."]
 
 
 def test_a_group_whose_leader_only_waits_is_named_by_the_process_that_works(monkeypatch):

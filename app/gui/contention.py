@@ -84,7 +84,8 @@ def sample_warnings(sample: dict, on_gpu: bool = True) -> dict[str, str]:
         where = (f"{cores} CPU cores" if cores == all_cores else
                  f"the {cores} CPU cores this process may run on (of {all_cores})")
         warnings["cpu"] = (f"Other processes use {others:.1f} of {where}"
-                           + ((": " + _names(top, _cpu)) if top else "") + ".")
+                           + ((": " + _names(top, _cpu)) if top else "")
+                           + ". The CPU expert kernels run on the cores they leave: pausing them speeds the answer.")
     steal = sample.get("cpu_steal_share", 0.0)
     if steal >= CPU_STEAL_SHARE:
         # nothing on this machine to name: the CPU kernels' threads wait for each other, so they slow by more
@@ -100,7 +101,8 @@ def sample_warnings(sample: dict, on_gpu: bool = True) -> dict[str, str]:
             and gpu.get("others", 0) >= VRAM_OTHERS_SHARE * gpu["total"]):
         top = gpu.get("top", [])
         warnings["vram"] = (f"Other processes hold {human_bytes(gpu['others'])} of the GPU's "
-                            f"{human_bytes(gpu['total'])}" + ((": " + _names(top, _vram)) if top else "") + ".")
+                            f"{human_bytes(gpu['total'])}" + ((": " + _names(top, _vram)) if top else "")
+                            + ". Memory they free leaves room for more resident experts (device_expert_bytes).")
     return warnings
 
 
