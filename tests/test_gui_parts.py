@@ -547,6 +547,15 @@ def test_a_cpu_competitor_is_named_with_its_cores_and_its_memory():
                                   "on the cores they leave: pausing them speeds the answer."]
 
 
+def test_a_workbench_pinned_to_one_core_is_said_to_run_on_one_core_not_one_cores():
+    """taskset -c 3 beside a build: 'Other processes use 0.9 of the 1 CPU cores this process may run on (of 8)'."""
+    pinned = {"cpu_per_core": [100.0] * 8, "cpu_ours": [3], "others_cpu_cores": 0.9, "ram_total": 100,
+              "ram_available": 50, "gpu": None}
+    assert warned(pinned)[0].startswith("Other processes use 0.9 of the 1 CPU core this process may run on (of 8). ")
+    alone = dict(pinned, cpu_per_core=[100.0], cpu_ours=[0])  # (a one-core machine)
+    assert warned(alone)[0].startswith("Other processes use 0.9 of 1 CPU core. ")
+
+
 def test_the_throughput_watch_measures_against_its_best_not_a_cold_start():
     """The first measurements after a load can be cold (the experts' pages still being mapped in): 4 GB/s, then 10
     once warm. A competitor that cut the warm rate to 40% later (4 GB/s) read as 100% of that cold start, unsaid."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from engine.units import human_bytes
+from engine.units import counted, human_bytes
 
 OTHERS_CPU_SHARE = 0.20       # other processes using this share of all cores...
 OTHERS_CPU_MIN_CORES = 0.5    # ...and at least half a core
@@ -81,8 +81,8 @@ def sample_warnings(sample: dict, on_gpu: bool = True) -> dict[str, str]:
     others = sample.get("others_cpu_cores", 0.0)
     if _others_take_cores(sample):
         top = [p for p in sample.get("top_cpu", []) if p["cores"] >= 0.05]
-        where = (f"{cores} CPU cores" if cores == all_cores else
-                 f"the {cores} CPU cores this process may run on (of {all_cores})")
+        where = (counted(cores, "CPU core") if cores == all_cores else
+                 f"the {counted(cores, 'CPU core')} this process may run on (of {all_cores})")
         warnings["cpu"] = (f"Other processes use {others:.1f} of {where}"
                            + ((": " + _names(top, _cpu)) if top else "")
                            + ". The CPU expert kernels run on the cores they leave: pausing them speeds the answer.")
