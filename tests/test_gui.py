@@ -669,7 +669,7 @@ def test_every_expert_on_the_cpu_is_said_as_such_not_as_misses_and_copies_to_a_d
     load(qtbot, window, fixture_folder("gptoss"))
     answer = ask(qtbot, window, "Hello", max_tokens=4)
     assert "misses" not in answer["stats"] and "copied" not in answer["stats"]
-    qtbot.waitUntil(lambda: window.placement.updates > 0 and window.placement.heatmap.data["steps"] >= 4)
+    qtbot.waitUntil(lambda: window.placement.updates > 0 and (window.placement.heatmap.data or {}).get("steps", 0) >= 4)
     summary = window.placement.summary.text()
     assert summary.startswith("All 16 experts run on the CPU"), summary
     assert "miss" not in summary and "copied" not in summary and "swaps" not in summary
@@ -748,7 +748,7 @@ def test_a_cpu_only_placement_view_says_nothing_of_residents_misses_or_hit_rates
     load(qtbot, window, fixture_folder("gptoss"))
     ask(qtbot, window, "Hello", max_tokens=4)
     placement = window.placement
-    qtbot.waitUntil(lambda: placement.updates > 0 and placement.heatmap.data["steps"] >= 4)
+    qtbot.waitUntil(lambda: placement.updates > 0 and (placement.heatmap.data or {}).get("steps", 0) >= 4)
     legend = placement.legend.text()
     assert "on the CPU" in legend and "missed" not in legend and "cold" not in legend, legend
     assert not placement.heatmap.missed.any()
@@ -840,7 +840,7 @@ def test_the_placement_view_says_static_placement_is_counting_routing_before_it_
     assert ("Static placement counts routing for 32 more tokens, then copies the experts routed most in each layer "
             "into its slots for good (copied misses use them meanwhile).") in landed
     ask(qtbot, window, "Hello there, tell me a story about experts", max_tokens=40)
-    qtbot.waitUntil(lambda: window.placement.heatmap.data["steps"] == engine.stats.steps, timeout=WAIT)
+    qtbot.waitUntil(lambda: (window.placement.heatmap.data or {}).get("steps") == engine.stats.steps, timeout=WAIT)
     assert not engine.policy.opening and "counts routing" not in window.placement.summary.text()
     qtbot.waitUntil(lambda: "Experts resident per layer: " in window.model_panel.landed.text(), timeout=WAIT)
     assert "Static placement counts routing" not in window.model_panel.landed.text()
@@ -918,7 +918,7 @@ def test_static_placements_traffic_is_the_routing_counted_not_the_popularity_fil
     load(qtbot, window, fixture_folder("gptoss"), settings)
     ask(qtbot, window, "Hello", max_tokens=4)
     placement = window.placement
-    qtbot.waitUntil(lambda: placement.heatmap.data["steps"] == window.worker._model.offload.stats.steps)
+    qtbot.waitUntil(lambda: (placement.heatmap.data or {}).get("steps") == window.worker._model.offload.stats.steps)
     data = placement.heatmap.data
     routed = np.array([layer["expert_hits"] + layer["expert_misses"] for layer in data["layers"]])
     assert routed.sum() > 0 and np.array_equal(data["traffic"], routed)
@@ -967,7 +967,7 @@ def test_the_placement_view_says_each_layers_cpu_share_where_the_layers_split_ta
     engine.fix_split_tables(lambda layer: (second if layer == 1 else first, None))
     ask(qtbot, window, "Hello", max_tokens=4)
     placement = window.placement
-    qtbot.waitUntil(lambda: placement.heatmap.data["steps"] == engine.stats.steps)
+    qtbot.waitUntil(lambda: (placement.heatmap.data or {}).get("steps") == engine.stats.steps)
     assert engine.decode_path_in_force == "both"
     assert (f"a share computed on the CPU at once (up to 0 of {k} in layer 0 and 1 of {k} in layer 1 when all are "
             "cold") in placement.summary.text()
@@ -993,7 +993,7 @@ def test_the_tooltip_counts_a_layers_steps_routed_on_the_device_as_the_engine_do
     ask(qtbot, window, "Hello", max_tokens=4)
     engine = window.worker._model.offload
     heatmap = window.placement.heatmap
-    qtbot.waitUntil(lambda: heatmap.data["steps"] == engine.stats.steps)
+    qtbot.waitUntil(lambda: (heatmap.data or {}).get("steps") == engine.stats.steps)
     layer = engine.stats.layers[0]
     assert layer.routed_on_device > 0 and layer.misses_read > 0
     assert (f"Layer 0: {layer.routed_on_device} steps routed on the device (resident experts, and cold ones read by "
@@ -1033,7 +1033,7 @@ def test_a_cells_tooltip_in_a_layer_that_leaves_slots_to_copied_misses_counts_it
 
     monkeypatch.setattr(offload_engine, "miss_slots", lambda *args, **kwargs: 0)  # every slot for residents
     load(qtbot, window, fixture_folder("gptoss"), simulated())
-    qtbot.waitUntil(lambda: placement.heatmap.data["left_to_copies"] == [0, 0])
+    qtbot.waitUntil(lambda: (placement.heatmap.data or {}).get("left_to_copies") == [0, 0])
     expert = int(np.flatnonzero(window.worker._model.offload.slots[1].slot_of >= 0)[0])
     assert placement.heatmap.tooltip_at(1, expert).startswith(f"Layer 1, expert {expert}: resident on the device\n")
 
