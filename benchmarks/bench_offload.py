@@ -748,7 +748,8 @@ def main() -> None:
             other_bounds += (f"; on the tier only {decoded['bound_misses_on_tier_only']:.1f}: "
                              f"{decoded['ratio_to_tier_only_bound']:.0%}")
         print(f"{fraction:5.0%}  decode {decoded['value']:7.1f} tok/s "
-              f"(bound {decoded['reference_value']:7.1f}: {decoded['ratio']:.0%}{other_bounds}, hit {h:.2f}{decoded_spread(decoded)}, host probe {probe:.1f} µs)  "
+              f"(bound {decoded['reference_value']:7.1f}: {decoded['ratio']:.0%}{other_bounds}, hit {h:.2f}"
+              f"{decoded_spread(decoded)}, host probe {probe:.1f} µs)  "
               f"prefill {prefill:7.0f} tok/s (CPU {cpu_prefill:.0f})  {overhead_words(overhead)}  "
               f"trace hit {trace_h:.2f}  misses cpu/copied/read {stats.misses_cpu}/{stats.misses_copied}/"
               f"{stats.misses_read}" + path_text(path)
