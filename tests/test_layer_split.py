@@ -235,10 +235,10 @@ def test_a_re_plan_the_trials_ask_for_that_the_driver_or_host_memory_fails_keeps
     assert engine.split_trials.trials == 0 and not engine.whole_layers
 
 
-def test_a_re_plan_the_trials_ask_for_refused_on_a_data_file_cut_short_stops_the_answer(model_folder, tmp_path):
-    """The trials' re-plan, refused since a data file was truncated after the load, said "decode goes on" and the
-    answer went on to steps that read the file past its new end (SIGBUS). The answer stops at that safe point with
-    the refusal naming the file, no step after it, and the plan says so."""
+def _a_re_plan_refused_by_a_data_file_stops_the_answer(model_folder, tmp_path, change, said, what):
+    """The trials' re-plan, asked for at the first decode step's safe point, refused as `change(data)` (run during that
+    step) leaves the data file: the answer stops there with the refusal `said(data)`, no step after it, the plan in
+    force kept, and the plan's last statement says the answer stopped before a step read the data file `what`."""
     from engine.errors import ModelFileError
     from engine.generation import GenerationParams, generate
 
@@ -247,27 +247,39 @@ def test_a_re_plan_the_trials_ask_for_refused_on_a_data_file_cut_short_stops_the
     model, engine = half_budget_engine(folder, first=0, settle=0, window=1)
     plan = engine.plan
     data = folder / "model.onnx.data"
-    size = data.stat().st_size
-    said = (f"{data}: truncated since the model was loaded: it has {size - 4} bytes of the {size} its initializers "
-            "take; load the model again")
+    refusal = said(data)
     safe_point = model.decoder.on_step_end
 
-    def cut_short_first(seconds, tokens):  # the file cut short during the first decode step, before its safe point
+    def changed_first(seconds, tokens):  # the file changed during the first decode step, before its safe point
         if tokens == 1:
-            os.truncate(data, size - 4)
+            change(data)
         safe_point(seconds, tokens)
 
-    model.decoder.on_step_end = cut_short_first
+    model.decoder.on_step_end = changed_first
     prompt = model.tokenizer.encode("The expert offload engine must be exact.")
     with pytest.raises(ModelFileError) as refused:
         generate(model, model.new_state(), [], prompt, GenerationParams(max_new_tokens=8))
-    assert str(refused.value) == said
+    assert str(refused.value) == refusal
     assert model.decoder.profile["steps"] == 1  # the prefill's: the decode step stopped at its safe point
     assert engine.plan is plan and engine.whole_layers is False and engine.layer_split_mode == "spread"
     assert engine.plan.statements[-1] == (f"The layer split's trials asked for whole layers, and the re-plan failed "
-                                          f"({said}): the answer stopped there, before a step read the data file cut "
-                                          f"short; the plan keeps the budget spread over every layer, with no more "
+                                          f"({refusal}): the answer stopped there, before a step read the data file "
+                                          f"{what}; the plan keeps the budget spread over every layer, with no more "
                                           f"trials.")
+
+
+def test_a_re_plan_the_trials_ask_for_refused_on_a_data_file_cut_short_stops_the_answer(model_folder, tmp_path):
+    """The trials' re-plan, refused since a data file was truncated after the load, said "decode goes on" and the
+    answer went on to steps that read the file past its new end (SIGBUS). The answer stops at that safe point with
+    the refusal naming the file, no step after it, and the plan says so."""
+    size = (model_folder / "model.onnx.data").stat().st_size
+
+    def said(data):
+        return (f"{data}: truncated since the model was loaded: it has {size - 4} bytes of the {size} its initializers "
+                "take; load the model again")
+
+    _a_re_plan_refused_by_a_data_file_stops_the_answer(model_folder, tmp_path, lambda data: os.truncate(data, size - 4),
+                                                       said, "cut short")
 
 
 def test_a_re_plan_the_trials_ask_for_refused_on_a_data_file_written_in_place_stops_the_answer(model_folder,
@@ -276,36 +288,16 @@ def test_a_re_plan_the_trials_ask_for_refused_on_a_data_file_written_in_place_st
     mapping shows the new bytes), said "decode goes on with" the plan in force, and the rest of the answer came from
     the changed weights, which the next answer's first check refuses. The answer stops at that safe point with the
     refusal naming the file, no step after it, and the plan says so."""
-    from engine.errors import ModelFileError
-    from engine.generation import GenerationParams, generate
+    def written(data):
+        with open(data, "r+b") as file:
+            file.write(b"\0")
+        stamp = data.stat()
+        os.utime(data, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 1_000_000))  # past the timestamps' granularity
 
-    folder = tmp_path / "m"
-    shutil.copytree(model_folder, folder)
-    model, engine = half_budget_engine(folder, first=0, settle=0, window=1)
-    plan = engine.plan
-    data = folder / "model.onnx.data"
-    said = f"{data}: changed since the model was loaded (written to in place); load the model again"
-    safe_point = model.decoder.on_step_end
+    def said(data):
+        return f"{data}: changed since the model was loaded (written to in place); load the model again"
 
-    def written_first(seconds, tokens):  # the file written to during the first decode step, before its safe point
-        if tokens == 1:
-            with open(data, "r+b") as written:
-                written.write(b"\0")
-            stamp = data.stat()
-            os.utime(data, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 1_000_000))  # past the timestamps' granularity
-        safe_point(seconds, tokens)
-
-    model.decoder.on_step_end = written_first
-    prompt = model.tokenizer.encode("The expert offload engine must be exact.")
-    with pytest.raises(ModelFileError) as refused:
-        generate(model, model.new_state(), [], prompt, GenerationParams(max_new_tokens=8))
-    assert str(refused.value) == said
-    assert model.decoder.profile["steps"] == 1  # the prefill's: the decode step stopped at its safe point
-    assert engine.plan is plan and engine.whole_layers is False and engine.layer_split_mode == "spread"
-    assert engine.plan.statements[-1] == (f"The layer split's trials asked for whole layers, and the re-plan failed "
-                                          f"({said}): the answer stopped there, before a step read the data file "
-                                          f"written to in place; the plan keeps the budget spread over every layer, "
-                                          f"with no more trials.")
+    _a_re_plan_refused_by_a_data_file_stops_the_answer(model_folder, tmp_path, written, said, "written to in place")
 
 
 def test_the_trials_time_a_step_with_the_accounts_it_left_for_its_safe_point(model_folder, monkeypatch):
