@@ -438,7 +438,8 @@ class PlacementView(QWidget):
         self.residency = QRadioButton("Residency")
         self.traffic = QRadioButton("Traffic")
         self.residency.setChecked(True)
-        self.residency.setToolTip("Resident (blue) or cold (grey) experts; red dots: cold experts routing hits now")
+        self.residency.setToolTip("Experts on the device (resident, or in a slot left to copied misses: the legend "
+                                  "and the summary say which) or cold; dots: cold experts routing hits now")
         self.traffic.setToolTip("How much routing each expert gets: blue = hits on resident experts, red = misses")
         group = QButtonGroup(self)
         group.addButton(self.residency)
