@@ -107,11 +107,7 @@ class ContentionView(QWidget):
         if result.cancelled or report is None:
             self.bar.finish("Cancelled between phases: no report.")
             return
-        rows = ((report.indexing, report.indexing_alone_s,
-                 report.indexing_with_inference_s, report.indexing_slowdown),
-                (report.inference, report.inference_alone_s,
-                 report.inference_with_indexing_s, report.inference_slowdown))
-        for r, (name, alone, together, slowdown) in enumerate(rows):
+        for r, (name, alone, together, slowdown) in enumerate(report.rows()):
             for c, text in enumerate((name, f"{seconds_figures(alone)} s", f"{seconds_figures(together)} s",
                                       ratio_words(slowdown))):
                 self.table.setItem(r, c, QTableWidgetItem(text))

@@ -145,6 +145,12 @@ class ContentionReport:
         and the window's table name it."""
         return f"inference ({self.scenario})" if self.scenario else "inference"
 
+    def rows(self) -> tuple[tuple[str, float, float, float], ...]:
+        """Each workload's (name, seconds alone, seconds together, together / alone), as the report's table and the
+        window's give them."""
+        return ((self.indexing, self.indexing_alone_s, self.indexing_with_inference_s, self.indexing_slowdown),
+                (self.inference, self.inference_alone_s, self.inference_with_indexing_s, self.inference_slowdown))
+
     def as_dict(self) -> dict:
         return {**vars(self), "indexing_slowdown": self.indexing_slowdown,
                 "inference_slowdown": self.inference_slowdown}
@@ -156,10 +162,7 @@ class ContentionReport:
             stand_in = f" {STAND_IN}" if self.simulated else ""
             lines += [f"Model {self.model}, on {where}.{stand_in}", ""]
         lines += [f"| workload | alone | together | {RATIO_HEADER} |", "|---|---|---|---|"]
-        for name, alone, together, ratio in ((self.indexing, self.indexing_alone_s, self.indexing_with_inference_s,
-                                              self.indexing_slowdown),
-                                             (self.inference, self.inference_alone_s, self.inference_with_indexing_s,
-                                              self.inference_slowdown)):
+        for name, alone, together, ratio in self.rows():
             lines.append(f"| {name} | {seconds_figures(alone)} s | {seconds_figures(together)} s | "
                          f"{ratio_words(ratio, 'x')} |")
         if self.generation:
