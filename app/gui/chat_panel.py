@@ -290,9 +290,7 @@ class ChatPanel(QWidget):
         if reasoning is not None and not isinstance(reasoning, str):
             raise TypeError(f"reasoning {json.dumps(reasoning)} is not a reasoning value or null")
         self.max_tokens.choose(tokens if chosen else None)
-        for key, box, default in (("temperature", self.temperature, 0.0), ("top_k", self.top_k, 0),
-                                  ("top_p", self.top_p, 1.0), ("repetition_penalty", self.repetition, 1.0),
-                                  ("seed", self.seed, -1)):
+        for key, box, _name, default in self._sampling_boxes():
             value = _kept_number(options, key, default, whole=isinstance(box, QSpinBox))
             number = float(value) if isinstance(box, QDoubleSpinBox) else value
             # a box holds its nearest without a word (NaN its least), and a QSpinBox raises past 32 bits
@@ -323,15 +321,19 @@ class ChatPanel(QWidget):
             f"Use the model's own sampling settings (its genai_config.json): {sampling['words']}" if sampling
             else "No model loaded, or its genai_config.json's search section holds a value the sampler refuses")
 
+    def _sampling_boxes(self) -> tuple:
+        """Each sampling option's key, its box, the box's label and the option's default (the sampler's own)."""
+        return (("temperature", self.temperature, "Temperature", 0.0), ("top_k", self.top_k, "Top-k", 0),
+                ("top_p", self.top_p, "Top-p", 1.0), ("repetition_penalty", self.repetition, "Repetition", 1.0),
+                ("seed", self.seed, "Seed", -1))
+
     def use_model_sampling(self) -> None:
         """Fill in the model's own sampling, saying which of its values a box cannot hold and what it holds instead
         (the sampler takes values past the boxes' ranges: any temperature, a seed past 32 bits)."""
         if self._model_sampling is None:
             return
         clamped = []
-        for key, box, name in (("temperature", self.temperature, "Temperature"), ("top_k", self.top_k, "Top-k"),
-                               ("top_p", self.top_p, "Top-p"), ("repetition_penalty", self.repetition, "Repetition"),
-                               ("seed", self.seed, "Seed")):
+        for key, box, name, _default in self._sampling_boxes():
             value = self._model_sampling[key]
             box.setValue(min(max(value, box.minimum()), box.maximum()))  # (a QSpinBox raises past 32 bits)
             if not box.minimum() <= value <= box.maximum():

@@ -448,9 +448,7 @@ class MainWindow(QMainWindow):
                     problem = str(exc)
             if problem:
                 self.chat.set_options({})  # (a value refused partway leaves those before it set)
-                self._warn_settings(f"{s.fileName()}: the chat options kept under chat/options cannot be used "
-                                    f"({problem}): the chat starts from its defaults; what was kept is now under "
-                                    f"{self._set_aside('chat/options', chat)} there")
+                self._refuse_kept("chat/options", "chat options", problem, "the chat starts from its defaults")
         prompt = s.value("chat/system_prompt", "")
         if isinstance(prompt, str):
             self.chat.system_prompt.setPlainText(prompt)
@@ -558,9 +556,7 @@ class MainWindow(QMainWindow):
             if isinstance(paths, list) and all(isinstance(p, str) for p in paths):
                 return paths
             problem = "not a list of paths"
-        self._warn_settings(f"{self.settings.fileName()}: the recent models kept under recent cannot be used "
-                            f"({problem}): Open recent starts empty; what was kept is now under "
-                            f"{self._set_aside('recent', raw)} there")
+        self._refuse_kept("recent", "recent models", problem, "Open recent starts empty")
         return []
 
     def _remember_recent(self, path: str) -> None:
