@@ -1212,6 +1212,8 @@ def _cmd_contention(args) -> int:
             return run_scenario(model, args.scenario, params, device).timings["completion_s"]
         except ConversationFullError as exc:  # (its "start a new conversation" is the window's chat's)
             raise PromptError(f"{args.scenario}: {turns_past_the_context(exc, '--max-new-tokens')}") from None
+        except PromptError as exc:  # whose prompt, as record says it
+            raise PromptError(f"{args.scenario}: {exc}") from None
 
     line = _ProgressLine("contention")
 

@@ -1121,6 +1121,25 @@ def test_contention_multiturn_past_the_context_does_not_say_to_start_a_new_conve
     assert indexed == []
 
 
+def test_contention_names_the_scenario_whose_prompt_the_context_cannot_hold(copy_fixture, tmp_path, capsys,
+                                                                            monkeypatch):
+    """contention's inference refused for a prompt past the model's context said "the prompt has N tokens but the
+    model's context is M", naming no scenario, where record names it; it names it as record does."""
+    import engine.records.contention as contention
+    from engine.records.contention import make_corpus
+
+    monkeypatch.setattr(contention, "index_folder", lambda folder, workers: (2, 0.1))
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["context_length"] = 24
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    corpus = make_corpus(tmp_path / "corpus", files=2, words_per_file=30)
+    status, _out, err = _main(capsys, "contention", str(folder), "--corpus", str(corpus), "--workers", "1",
+                              "--max-new-tokens", "2")
+    assert status == 2 and re.fullmatch(r"moe-workbench: error: short: the prompt has \d+ tokens but the model's "
+                                        r"context is 24", err.splitlines()[-1]), err
+
+
 def test_contention_refuses_the_long_input_on_a_short_context_before_any_indexing(tmp_path, capsys, monkeypatch):
     """On gptoss's 2,048-token context the long input leaves no room for 60-token answers: contention refused it only
     at its first inference, after the warm-up had indexed the whole corpus (minutes on the default one). It is refused

@@ -1071,6 +1071,27 @@ def test_the_windows_record_and_contention_test_past_the_context_do_not_say_to_s
     assert indexed == []
 
 
+def test_the_windows_contention_test_names_the_scenario_whose_prompt_the_context_cannot_hold(copy_fixture, tmp_path,
+                                                                                             monkeypatch):
+    """The contention test's inference refused for a prompt past the model's context said "the prompt has N tokens
+    but the model's context is M", naming no scenario, where the window's Record names it; it names it as Record
+    does."""
+    import engine.records.contention as contention
+    from app.gui.records_jobs import ContentionJob
+    from engine.errors import PromptError
+
+    monkeypatch.setattr(contention, "index_folder", lambda folder, workers: (2, 0.1))
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["context_length"] = 24
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    corpus = str(make_corpus(tmp_path / "corpus", files=2, words_per_file=30))
+    with pytest.raises(PromptError) as raised:
+        ContentionJob(corpus, 1, "short", 2)(_sweep_context(LoadedModel.open(folder), None, []))
+    assert re.fullmatch(r"short: the prompt has \d+ tokens but the model's context is 24", str(raised.value)), \
+        raised.value
+
+
 def test_the_windows_contention_report_names_the_model_and_the_device(tmp_path):
     """The command line's report opens with the model and the device it measured (and says the CPU stands in for a
     simulated card); the one the window saves named neither, as its job did not pass them on. Its inference row read

@@ -539,6 +539,8 @@ class ContentionJob:
                 return run_scenario(model, self.scenario, params, ctx.device, cancel=ctx.cancel).timings["completion_s"]
             except ConversationFullError as exc:  # (its "start a new conversation" is the chat's)
                 raise PromptError(f"{self.scenario}: {turns_past_the_context(exc, ANSWER_LENGTH)}") from None
+            except PromptError as exc:  # whose prompt, as Record says it
+                raise PromptError(f"{self.scenario}: {exc}") from None
 
         def progress(fraction: float) -> None:  # (as a phase ends: the text names the next, which runs now)
             ctx.progress(fraction, phase_after(fraction))
