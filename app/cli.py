@@ -804,8 +804,8 @@ def _scenarios(name: str) -> list[str]:
 def _cmd_record(args) -> int:
     from engine.generation import GenerationParams, LoadedModel
     from engine.records.history import History
-    from engine.errors import ConversationFullError, PromptError
-    from engine.records.scenarios import run_scenario, scenario_answer_tokens, scenario_turns, turns_past_the_context
+    from engine.errors import PromptError
+    from engine.records.scenarios import run_scenario, scenario_answer_tokens, scenario_turns
 
     history = History(args.history)  # a bad history file refused before the model loads
     history.check_writable()
@@ -836,8 +836,6 @@ def _cmd_record(args) -> int:
         except (Exception, KeyboardInterrupt) as exc:  # after runs were saved: say them (and print them, with --json)
             if os.environ.get("MOE_WORKBENCH_DEBUG"):
                 raise
-            if isinstance(exc, ConversationFullError):  # (its "start a new conversation" is the window's chat's)
-                exc = turns_past_the_context(exc, "--max-new-tokens")
             if records:
                 return _record_stopped(exc, scenario, records, args.json, getattr(args, "offload_mode", None))
             if isinstance(exc, PromptError):  # a prompt the model cannot take: whose, as _record_stopped says
@@ -1185,10 +1183,10 @@ def _budget_text(budget: str | None, device: str | None) -> str:
 
 
 def _cmd_contention(args) -> int:
-    from engine.errors import ConversationFullError, PromptError
+    from engine.errors import PromptError
     from engine.generation import GenerationParams, LoadedModel
     from engine.records.contention import corpus_problem, default_corpus, phase_after, run_contention
-    from engine.records.scenarios import run_scenario, scenario_answer_tokens, scenario_turns, turns_past_the_context
+    from engine.records.scenarios import run_scenario, scenario_answer_tokens, scenario_turns
     from engine.records.schema import generation_settings
 
     corpus = Path(args.corpus) if args.corpus else default_corpus()  # checked before the model loads (minutes)
@@ -1210,8 +1208,6 @@ def _cmd_contention(args) -> int:
     def inference() -> float:
         try:
             return run_scenario(model, args.scenario, params, device).timings["completion_s"]
-        except ConversationFullError as exc:  # (its "start a new conversation" is the window's chat's)
-            raise PromptError(f"{args.scenario}: {turns_past_the_context(exc, '--max-new-tokens')}") from None
         except PromptError as exc:  # whose prompt, as record says it
             raise PromptError(f"{args.scenario}: {exc}") from None
 

@@ -94,7 +94,8 @@ class PromptError(WorkbenchError):
 class ConversationFullError(PromptError):
     """A conversation's next message that the model's context (or its search.max_length) cannot take after the turns
     before it. `problem` says so; the message adds what to do in the window, whose New chat starts a new conversation
-    (the command line's chat, which ends there, says its own)."""
+    (the command line's chat, which ends there, and a scenario run, records.scenarios.run_scenario, say their
+    own)."""
 
     def __init__(self, problem: str):
         super().__init__(f"{problem}: start a new conversation")

@@ -1087,13 +1087,31 @@ def test_records_multiturn_past_the_context_does_not_say_to_start_a_new_conversa
     config["model"]["context_length"] = 80
     (folder / "genai_config.json").write_text(json.dumps(config))
     said = (r"multiturn: the conversation so far \(\d+ tokens\) and this message \(\d+\) come to \d+ tokens, past the "
-            r"model's context of 80 \(a smaller --max-new-tokens leaves the scenario's turns more room\)")
+            r"model's context of 80 \(a smaller answer length leaves the scenario's turns more room\)")
     record = ("record", str(folder), "--max-new-tokens", "30", "--history", str(tmp_path / "h.sqlite"))
     status, _out, err = _main(capsys, *record, "--scenario", "multiturn")
     assert status == 2 and re.fullmatch(f"moe-workbench: error: {said}", err.splitlines()[-1]), err
     status, _out, err = _main(capsys, *record, "--scenario", "all")  # after the short run, saved
     assert status == 2 and re.fullmatch(f"moe-workbench: error: {said}; the 1 run before it is saved in the history "
                                         r"\(id \d+\)", err.splitlines()[-1]), err
+
+
+def test_a_sweeps_multiturn_past_the_context_does_not_say_to_start_a_new_conversation(copy_fixture, tmp_path,
+                                                                                      capsys):
+    """As record's (above): a sweep whose multiturn answers filled the model's context failed in the chat's "...:
+    start a new conversation", which a sweep cannot do; it says what leaves the turns more room."""
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["context_length"] = 80
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    status, _out, err = _main(capsys, "sweep", str(folder), "--device", "simulated", "--points", "2", "--repeats", "1",
+                              "--scenario", "multiturn", "--max-new-tokens", "30", "--history",
+                              str(tmp_path / "h.sqlite"))
+    assert status == 2 and re.fullmatch(
+        r"moe-workbench: error: the sweep failed at budget share 0% \(device_expert_bytes=0\), point 1 of 2: the "
+        r"conversation so far \(\d+ tokens\) and this message \(\d+\) come to \d+ tokens, past the model's context of "
+        r"80 \(a smaller answer length leaves the scenario's turns more room\); no point finished before it; no "
+        r"recommendation", err.splitlines()[-1]), err
 
 
 def test_contention_multiturn_past_the_context_does_not_say_to_start_a_new_conversation(copy_fixture, tmp_path,
@@ -1116,7 +1134,7 @@ def test_contention_multiturn_past_the_context_does_not_say_to_start_a_new_conve
                               "--scenario", "multiturn", "--max-new-tokens", "30")
     assert status == 2 and re.fullmatch(
         r"moe-workbench: error: multiturn: the conversation so far \(\d+ tokens\) and this message \(\d+\) come to "
-        r"\d+ tokens, past the model's context of 80 \(a smaller --max-new-tokens leaves the scenario's turns more "
+        r"\d+ tokens, past the model's context of 80 \(a smaller answer length leaves the scenario's turns more "
         r"room\)", err.splitlines()[-1]), err
     assert indexed == []
 

@@ -1071,6 +1071,24 @@ def test_the_windows_record_and_contention_test_past_the_context_do_not_say_to_s
     assert indexed == []
 
 
+def test_the_windows_sweep_past_the_context_does_not_say_to_start_a_new_conversation(copy_fixture, tmp_path):
+    """As the window's Record (above): a sweep whose multiturn answers filled the model's context failed in the chat's
+    "...: start a new conversation", which a sweep cannot do; it says what leaves the turns more room."""
+    from app.gui.records_jobs import SweepJob
+
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["context_length"] = 80
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(folder, offload=OffloadConfig(), device=device)
+    result = SweepJob(2, ["multiturn"], 30, str(tmp_path / "h.sqlite"), repeats=1)(_sweep_context(model, device, []))
+    assert result.points == [] and result.stopped_at == "at budget share 0% (device_expert_bytes=0), point 1 of 2"
+    assert re.fullmatch(r"the conversation so far \(\d+ tokens\) and this message \(\d+\) come to \d+ tokens, past the "
+                        r"model's context of 80 \(a smaller answer length leaves the scenario's turns more room\)",
+                        result.failure), result.failure
+
+
 def test_the_windows_contention_test_names_the_scenario_whose_prompt_the_context_cannot_hold(copy_fixture, tmp_path,
                                                                                              monkeypatch):
     """The contention test's inference refused for a prompt past the model's context said "the prompt has N tokens

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -596,6 +597,25 @@ def test_multiturn_record_reuses_the_cache(simulated_model):
     record = run_scenario(model, "multiturn", GenerationParams(max_new_tokens=4), device)
     assert record.timings["turns"] >= 5
     assert all(turn["reused_cache_tokens"] > 0 for turn in record.turns[1:])
+
+
+def test_a_scenario_past_the_context_says_what_leaves_its_turns_more_room(copy_fixture):
+    """A multiturn run whose answers filled the model's context ended in the conversation's ConversationFullError,
+    "...: start a new conversation", which no scenario run can take: each caller (record, contention, the window's
+    Record and contention test) changed it into its own words, and a sweep said it as it was. run_scenario says what
+    leaves the turns more room, once for all of them."""
+    from engine.errors import ConversationFullError, PromptError
+
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["context_length"] = 80
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    with pytest.raises(PromptError) as raised:
+        run_scenario(LoadedModel.open(folder), "multiturn", GenerationParams(max_new_tokens=30))
+    assert not isinstance(raised.value, ConversationFullError)
+    assert re.fullmatch(r"the conversation so far \(\d+ tokens\) and this message \(\d+\) come to \d+ tokens, past the "
+                        r"model's context of 80 \(a smaller answer length leaves the scenario's turns more room\)",
+                        str(raised.value)), raised.value
 
 
 def test_recommendation_follows_the_numbers():

@@ -13,15 +13,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from app.gui.side_streams import SideStreams
-from engine.errors import ConversationFullError, PromptError, WorkbenchError, gpu_out_of_memory, one_line, users_error
+from engine.errors import PromptError, WorkbenchError, gpu_out_of_memory, one_line, users_error
 from engine.generation import GenerationParams, LoadedModel
 from engine.offload import OffloadConfig
 from engine.records.contention import (ContentionCancelled, ContentionReport, corpus_problem, default_corpus,
                                        phase_after, run_contention)
 from engine.records.history import History
 from engine.records.lengths import SWEEP_REPEATS
-from engine.records.scenarios import (SCENARIOS, run_scenario, scenario_answer_tokens, scenario_turns,
-                                      turns_past_the_context)
+from engine.records.scenarios import SCENARIOS, run_scenario, scenario_answer_tokens, scenario_turns
 from engine.records.schema import RunRecord, generation_settings
 from engine.units import counted, human_bytes
 from engine.records.side_by_side import Comparison, Side, compare
@@ -37,8 +36,6 @@ REPORT_INTERVAL_S = 0.05  # progress and streamed text go to the window in batch
 # side by side's answer length for models that answer at once where the user sets none (one that reasons first has its
 # own, LoadedModel.answer_tokens); the scenario runs' and the contention test's is SCENARIO_TOKENS, the command line's
 SIDE_BY_SIDE_TOKENS = 64
-# where the Record bar and the contention test set their answers' length, as a scenario's turns past the context say it
-ANSWER_LENGTH = "answer length"
 
 
 @dataclass
@@ -215,8 +212,6 @@ class ScenarioJob:
                     break
                 result.saved.append((saved[0], record))
             except PromptError as exc:  # e.g. the long input on a short context: the other scenarios still run
-                if isinstance(exc, ConversationFullError):  # (its "start a new conversation" is the chat's)
-                    exc = turns_past_the_context(exc, ANSWER_LENGTH)
                 result.errors.append(f"{name}: {exc}")
                 continue
             except Exception as exc:  # after runs were saved: the result says them, and where it failed
@@ -537,8 +532,6 @@ class ContentionJob:
         def inference() -> float:
             try:
                 return run_scenario(model, self.scenario, params, ctx.device, cancel=ctx.cancel).timings["completion_s"]
-            except ConversationFullError as exc:  # (its "start a new conversation" is the chat's)
-                raise PromptError(f"{self.scenario}: {turns_past_the_context(exc, ANSWER_LENGTH)}") from None
             except PromptError as exc:  # whose prompt, as Record says it
                 raise PromptError(f"{self.scenario}: {exc}") from None
 

@@ -57,13 +57,6 @@ def scenario_turns(name: str, tokenizer, config, max_new_tokens: int) -> list[st
     raise ValueError(f"unknown scenario '{name}' (known: {', '.join(SCENARIOS)})")
 
 
-def turns_past_the_context(exc: ConversationFullError, answer_length: str) -> PromptError:
-    """A scenario's turn that the model's context cannot take after the answers before it: the conversation's refusal
-    ends in the window's chat's remedy ("start a new conversation"), which a scenario run cannot take; this says what
-    leaves its turns more room instead, `answer_length` naming where the user sets it ("--max-new-tokens")."""
-    return PromptError(f"{exc.problem} (a smaller {answer_length} leaves the scenario's turns more room)")
-
-
 def scenario_answer_tokens(model: LoadedModel, name: str) -> int:
     """A scenario's answer length where the user sets none: the model's (LoadedModel.answer_tokens: SCENARIO_TOKENS
     for one that answers at once); the long scenario's within what the model's sequences (the context, or
@@ -217,9 +210,14 @@ def offload_description(model: LoadedModel, device) -> dict:
 def run_scenario(model: LoadedModel, name: str, params: GenerationParams, device=None, label: str = "",
                  cancel: threading.Event | None = None, progress=None, on_text=None) -> RunRecord:
     """Run one named scenario on a loaded model and measure it. `cancel` ends the answer at the next
-    token (and skips the turns after it); `on_text(token, delta)` streams every answer."""
+    token (and skips the turns after it); `on_text(token, delta)` streams every answer. A turn the model's context
+    cannot take after the answers before it is a PromptError saying what leaves the turns more room: the
+    conversation's own refusal ends in the chat's remedy, "start a new conversation", which no scenario run can take."""
     turns_text = scenario_turns(name, model.tokenizer, model.config, params.max_new_tokens)
-    return run_turns(model, turns_text, params, device, name, label, cancel, progress, on_text)
+    try:
+        return run_turns(model, turns_text, params, device, name, label, cancel, progress, on_text)
+    except ConversationFullError as exc:
+        raise PromptError(f"{exc.problem} (a smaller answer length leaves the scenario's turns more room)") from None
 
 
 def decoded_tokens(turns: list[dict]) -> int:
