@@ -815,7 +815,7 @@ def _cmd_record(args) -> int:
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
     _warn_after_load(args, model)
-    runs = []  # (scenario, answer length) of those the context holds, checked before the first runs
+    runs = []  # (scenario, answer length) of those scenario_turns accepts, checked before the first runs
     for scenario in _scenarios(args.scenario):
         tokens = args.max_new_tokens or scenario_answer_tokens(model, scenario)
         try:

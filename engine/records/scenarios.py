@@ -40,7 +40,8 @@ _PASSAGE = ("Mixture-of-experts language models route every token through a few 
 
 def scenario_turns(name: str, tokenizer, config, max_new_tokens: int) -> list[str]:
     """The scenario's messages; the long input refused where the model's sequences (GenaiConfig.longest_sequence: the
-    context, or search.max_length below it) cannot hold it and the answer."""
+    context, or search.max_length below it) cannot hold it and the answer. The multiturn's are not checked here: the
+    room its later turns have depends on the answers before them, and run_scenario refuses the first that has none."""
     if name == "short":
         return ["In two sentences, what does a CPU/GPU expert offload engine do?"]
     if name == "multiturn":

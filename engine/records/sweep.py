@@ -224,9 +224,10 @@ def sweep_plan(model: LoadedModel, points: int, splits: tuple[str, ...] | None =
 
 
 def fitting_scenarios(model: LoadedModel, scenarios: list[str], max_new_tokens: int) -> tuple[list[str], str]:
-    """The scenarios whose input and answers the model's context holds, and a line naming those it does not (the long
-    input on a short context) and why, "" where all fit: a sweep skips them, as the window's Record does, rather than
-    refusing them at its first point. None that fits is a PromptError."""
+    """The scenarios scenario_turns accepts, and a line naming those it refuses (the long input on a short context) and
+    why, "" where it refuses none: a sweep skips them, as the window's Record does, rather than refusing them at its
+    first point (a multiturn whose later turns the context cannot hold still fails there). None accepted is a
+    PromptError."""
     fits, skipped = [], []
     for name in scenarios:
         try:
@@ -316,7 +317,7 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
         raise ValueError("a budget sweep needs a model loaded with offload on a device")
     if repeats < 1:
         raise ValueError(f"a sweep point runs its scenarios at least once, not {repeats} times")
-    for name in scenarios:  # one the context cannot hold refused before the first point (fitting_scenarios skips it)
+    for name in scenarios:  # one scenario_turns refuses, refused before the first point (fitting_scenarios skips it)
         scenario_turns(name, model.tokenizer, model.config, params.max_new_tokens)
     results = []
     plan = sweep_plan(model, points, splits)
