@@ -230,7 +230,8 @@ def decoded_tokens(turns: list[dict]) -> int:
 def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParams, device=None,
               scenario: str = "custom", label: str = "", cancel: threading.Event | None = None, progress=None,
               on_text=None, on_reasoning=None) -> RunRecord:
-    """Send the turns as one conversation and measure it: timings, peaks, offload statistics. `on_text` and
+    """Send the turns as one conversation and measure it: timings, peaks, offload statistics. The model settles first
+    and, before its first timed run, gives an unrecorded warm-up answer, both off the clock (_settle). `on_text` and
     `on_reasoning` stream every answer (Conversation.send)."""
     settle_s, warm_up_s = _settle(model, cancel)
     # the run's statistics from zero, the model's running totals (the chat's: the placement view's) put back after it
@@ -247,7 +248,8 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
 
 def _settle(model: LoadedModel, cancel: threading.Event | None) -> tuple[float, float]:
     """What runs before a timed run, off its clock and its statistics: (the seconds settling took, those of the
-    warm-up answer, 0 where the model gave one before)."""
+    model's warm-up answer where no record has said them yet, given here where the model has given none (side by side
+    and a sweep give it before), else 0)."""
     # a model loaded a moment ago (side-by-side's B, a sweep's first point) still maps its experts in the background;
     # the CPU kernels are compiled (a first run on this machine) and the automatic thread count follows the other
     # processes' load before the clock starts
