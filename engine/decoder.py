@@ -161,9 +161,10 @@ class PartitionedDecoder:
         """Logits [tokens, vocab] for the new tokens; the state advances past them."""
         started = time.perf_counter()
         self._check_tokens(token_ids)
-        # a data file cut short since the last step (the folder rewritten during an answer): the step's kernels read
-        # its mapping, and a read past its new end kills the process (SIGBUS); refused by name before any
-        self.source.check_mapped_sizes()
+        # a data file cut short or written to in place since the last step (the folder rewritten during an answer):
+        # the step's kernels read its mapping, and a read past its new end kills the process (SIGBUS), while new bytes
+        # would be other weights than the loaded model's; refused by name before any
+        self.source.check_mapped_files()
         if self.dense is not None and state.backend.device_type != ("cuda" if self.dense.kind == "cuda" else "cpu"):
             raise WorkbenchError(f"the conversation's state is on the {state.backend.device_type} but the dense part "
                                  f"runs on the {self.dense.kind} (make the state with LoadedModel.new_state)")

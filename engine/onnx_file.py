@@ -11,8 +11,10 @@ import math
 import mmap
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import onnx
@@ -114,8 +116,8 @@ class OnnxFile:
         self._fold_constants()
         self.initializers: dict[str, onnx.TensorProto] = {t.name: t for t in self.proto.graph.initializer}
         self._maps: dict[str, mmap.mmap] = {}
-        # each mapped data file's (device, inode) and modification time when mapped (check_mapped_files)
-        self._mapped_stamps: dict[str, tuple[tuple[int, int], int]] = {}
+        # each mapped data file, kept open, and its modification time when mapped (check_mapped_files)
+        self._mapped_files: dict[str, tuple[BinaryIO, int]] = {}
         # each initializer's external data (None: inline), parsed once: release_pages runs at every copy of an expert
         # to the device under a bounded host cache (HostExpertCache), and parsing took 2.5 of its 4 µs
         self._refs: dict[str, ExternalRef | None] = {}
@@ -233,43 +235,49 @@ class OnnxFile:
                 data = open(path, "rb")
             except OSError as exc:  # removed or made unreadable since it was checked
                 raise ModelFileError(f"{path}: not readable ({exc.strerror or exc})") from None
-            with data:
+            try:
                 stat = os.fstat(data.fileno())
                 size, needs = stat.st_size, self._data_needs[location]
                 if size < needs:  # rewritten since it was checked
                     raise ModelFileError(f"{path}: truncated since the model folder was opened: it has {size} bytes "
                                          f"of the {needs} its initializers take")
                 mapping = mmap.mmap(data.fileno(), 0, access=mmap.ACCESS_READ)
+            except BaseException:
+                data.close()
+                raise
+            # kept open for check_mapped_files: its fstat is the mapped file's, wherever its path leads now (closed
+            # with this object: an open file collected unclosed warns)
+            weakref.finalize(self, data.close)
             self._maps[location] = mapping
-            self._mapped_stamps[location] = ((stat.st_dev, stat.st_ino), stat.st_mtime_ns)
+            self._mapped_files[location] = (data, stat.st_mtime_ns)
         return mapping
 
     def check_mapped_files(self) -> None:
-        """Refuse, naming the file, where a mapped data file was truncated since it was mapped (check_mapped_sizes);
-        or written to in place at any size (its modification time moved): the mapping shows the new bytes, so the
-        weights would change under the loaded model unsaid."""
-        self.check_mapped_sizes()
-        for location in self._maps:
-            path = self.folder / location
-            inode, mtime = self._mapped_stamps[location]
-            try:
-                now = os.stat(path)
-            except OSError:  # removed (or made unreadable): the mapping is the loaded file still
-                continue
-            if (now.st_dev, now.st_ino) == inode and now.st_mtime_ns != mtime:
-                raise ModelFileError(f"{path}: changed since the model was loaded (written to in place); "
-                                     "load the model again")
+        """Refuse, naming the file, where a mapped data file was truncated since it was mapped (the folder rewritten in
+        place): a read past its new end kills the process (SIGBUS); or written to in place at any size (its
+        modification time moved): the mapping shows the new bytes, so the weights would change under the loaded model
+        unsaid. A file deleted or replaced by another keeps its mapping whole, the loaded file's bytes: the file kept
+        open is the mapped one, not the path's. One fstat a mapped file, about 4 µs on the dev VM (the size alone,
+        mmap.size, took 2): the decoder checks before every step."""
+        for location, (data, mtime) in self._mapped_files.items():
+            stat = os.fstat(data.fileno())
+            if stat.st_size < self._data_needs[location]:
+                raise self._cut_short(location, stat.st_size)
+            if stat.st_mtime_ns != mtime:
+                raise ModelFileError(f"{self.folder / location}: changed since the model was loaded (written to in "
+                                     "place); load the model again")
 
     def check_mapped_sizes(self) -> None:
-        """Refuse, naming the file, where a mapped data file was truncated since it was mapped (the folder rewritten in
-        place): a read past its new end kills the process (SIGBUS). A file deleted or replaced by another keeps its
-        mapping whole (mmap.size reads the mapped file's own size; the path's file is then another inode, not
-        checked). One fstat a mapped file, about 1 µs: the decoder checks before every step."""
+        """check_mapped_files' refusal of a mapped data file truncated since it was mapped, alone: placement's moves
+        read the mapped experts, past the new end of one a read kills the process (SIGBUS)."""
         for location, mapping in self._maps.items():
-            size, needs = mapping.size(), self._data_needs[location]
-            if size < needs:
-                raise ModelFileError(f"{self.folder / location}: truncated since the model was loaded: it has {size} "
-                                     f"bytes of the {needs} its initializers take; load the model again")
+            size = mapping.size()
+            if size < self._data_needs[location]:
+                raise self._cut_short(location, size)
+
+    def _cut_short(self, location: str, size: int) -> ModelFileError:
+        return ModelFileError(f"{self.folder / location}: truncated since the model was loaded: it has {size} bytes "
+                              f"of the {self._data_needs[location]} its initializers take; load the model again")
 
     def array(self, name: str) -> np.ndarray:
         """The initializer's values: a read-only memory-mapped view for external data (no copy)."""

@@ -847,6 +847,75 @@ def test_a_data_file_truncated_during_an_answer_stops_it_before_the_next_step_re
     assert model.decoder.profile["steps"] == 0 and state.past_length == 0 and fed == []
 
 
+def _write_in_place(data) -> None:
+    """Zeros over the first page of `data`, at its size, its modification time past the timestamps' granularity."""
+    with open(data, "r+b") as file:
+        file.write(bytes(4096))
+    stamp = data.stat()
+    os.utime(data, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 1_000_000))
+
+
+def _written_in_place(data) -> str:
+    return f"{data}: changed since the model was loaded (written to in place); load the model again"
+
+
+def test_a_data_file_written_in_place_during_an_answer_stops_it_before_the_next_step_reads_the_new_bytes(
+        copy_fixture):
+    """A data file written to in place at its size between two steps of an answer (the model exported again into its
+    folder) had the rest of the answer decoded from its new bytes: each step checked the mapped files' sizes only, their
+    modification times waiting for the next answer. Each step checks both, from the one fstat a file: the answer stops
+    with the refusal naming the file, the step not run."""
+    from engine.errors import ModelFileError
+    from engine.generation import GenerationParams, LoadedModel, generate
+
+    folder = copy_fixture("gptoss")
+    data = folder / "model.onnx.data"
+    model = LoadedModel.open(folder)
+    prompt = model.tokenizer.encode("The expert offload engine")
+    state, fed = model.new_state(), []
+    with pytest.raises(ModelFileError, match=f"^{re.escape(_written_in_place(data))}$"):
+        generate(model, state, fed, prompt, GenerationParams(max_new_tokens=8),
+                 on_text=lambda *_args: _write_in_place(data))
+    assert model.decoder.profile["steps"] == 1 and state.past_length == len(prompt) and fed == prompt  # the prefill
+
+
+def test_a_data_file_moved_out_of_the_folder_then_written_to_is_refused_by_name(copy_fixture, tmp_path):
+    """The mapping is of the file, not of its path: moved away and written to, its new bytes are what the loaded model
+    reads. Checked through its path, it was taken for removed (the mapping whole) and let be."""
+    from engine.errors import ModelFileError
+    from engine.generation import LoadedModel
+
+    folder = copy_fixture("gptoss")
+    data = folder / "model.onnx.data"
+    model = LoadedModel.open(folder)
+    moved = tmp_path / "moved.data"
+    os.rename(data, moved)
+    model.folder.onnx.check_mapped_files()
+    _write_in_place(moved)
+    with pytest.raises(ModelFileError, match=f"^{re.escape(_written_in_place(data))}$"):
+        model.folder.onnx.check_mapped_files()
+
+
+def test_generate_says_a_data_file_written_in_place_during_its_answer_in_one_line(copy_fixture, cli, monkeypatch):
+    """The refusal as the command line says it: the answer streamed so far, then the one line naming the file."""
+    from app.cli import _StreamedAnswer
+
+    folder = copy_fixture("gptoss")
+    data = folder / "model.onnx.data"
+    answer = _StreamedAnswer.answer
+
+    def answer_then_write(self, token, delta) -> None:
+        answer(self, token, delta)
+        _write_in_place(data)
+
+    monkeypatch.setattr(_StreamedAnswer, "answer", answer_then_write)
+    result = cli("generate", str(folder), "--raw", "--prompt", "The expert offload engine", "--greedy",
+                 "--max-new-tokens", "8")
+    assert_clean_error(result)
+    said = f"moe-workbench: error: {_written_in_place(data)}"
+    assert result.returncode == 2 and result.stderr.splitlines()[-1] == said
+
+
 @pytest.mark.parametrize("name", ["model.onnx", "model.onnx.data", "genai_config.json", "tokenizer.json"])
 def test_a_folder_where_a_model_file_should_be_is_named_as_a_folder_not_missing(copy_fixture, name, cli):
     folder = copy_fixture("gptoss")

@@ -103,7 +103,7 @@ def make_decoder(runners) -> PartitionedDecoder:
     model.steps_run_again = model.layers_ahead = model.layers_beside = 0
     model._pool_here, model._worker_took, model._layers_done = True, False, None
     model.kernel_threads = KernelThreads([], 1)  # no CPU kernels to set
-    model.source = SimpleNamespace(check_mapped_sizes=lambda: None)  # no data file mapped
+    model.source = SimpleNamespace(check_mapped_files=lambda: None)  # no data file mapped
     return model
 
 

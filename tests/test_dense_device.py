@@ -1266,7 +1266,7 @@ def _decoder_on(device_id: int, segments: list):
     decoder.before_last_segment, decoder._layers_done = None, None
     decoder.profile = {"steps": 0, "dense_s": 0.0, "experts_s": 0.0, "total_s": 0.0}
     decoder.kernel_threads = KernelThreads([], 1)  # no CPU kernels to set
-    decoder.source = SimpleNamespace(check_mapped_sizes=lambda: None)  # no data file mapped
+    decoder.source = SimpleNamespace(check_mapped_files=lambda: None)  # no data file mapped
     return decoder
 
 
