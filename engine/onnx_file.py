@@ -23,6 +23,15 @@ from onnx import numpy_helper
 from engine.errors import ModelFileError, lfs_pointer, no_link_loop, not_a_file
 
 
+class DataFileChanged(ModelFileError):
+    """A mapped data file cut short or written to in place since the model was loaded (OnnxFile.check_mapped_files);
+    `change` says which, in those words."""
+
+    def __init__(self, message: str, change: str):
+        super().__init__(message)
+        self.change = change
+
+
 @dataclass(frozen=True)
 class ExternalRef:
     location: str
@@ -264,8 +273,8 @@ class OnnxFile:
             if stat.st_size < self._data_needs[location]:
                 raise self._cut_short(location, stat.st_size)
             if stat.st_mtime_ns != mtime:
-                raise ModelFileError(f"{self.folder / location}: changed since the model was loaded (written to in "
-                                     "place); load the model again")
+                raise DataFileChanged(f"{self.folder / location}: changed since the model was loaded (written to in "
+                                      "place); load the model again", "written to in place")
 
     def check_mapped_sizes(self) -> None:
         """check_mapped_files' refusal of a mapped data file truncated since it was mapped, alone: placement's moves
@@ -275,9 +284,10 @@ class OnnxFile:
             if size < self._data_needs[location]:
                 raise self._cut_short(location, size)
 
-    def _cut_short(self, location: str, size: int) -> ModelFileError:
-        return ModelFileError(f"{self.folder / location}: truncated since the model was loaded: it has {size} bytes "
-                              f"of the {self._data_needs[location]} its initializers take; load the model again")
+    def _cut_short(self, location: str, size: int) -> DataFileChanged:
+        return DataFileChanged(f"{self.folder / location}: truncated since the model was loaded: it has {size} bytes "
+                               f"of the {self._data_needs[location]} its initializers take; load the model again",
+                               "cut short")
 
     def array(self, name: str) -> np.ndarray:
         """The initializer's values: a read-only memory-mapped view for external data (no copy)."""

@@ -43,6 +43,7 @@ from engine.offload.split_share import RowSplitTrials, SplitShareTrials, shifted
 from engine.offload.streaming import StreamingPlan, plan_streaming
 from engine.offload.stats import OffloadStats
 from engine.offload.swap_allowance import SwapAllowance
+from engine.onnx_file import DataFileChanged
 from engine.units import counted
 from kernels.cold_split import ROW_STEP, cpu_take_table, fc1_share, split_tables
 from kernels.gpu.host_tier import HostTierError
@@ -991,13 +992,9 @@ class OffloadEngine(DenseLanding):
         if source is None:
             return None, None
         try:
-            source.check_mapped_sizes()
-        except ModelFileError as exc:
-            return exc, "cut short"
-        try:
             source.check_mapped_files()
-        except ModelFileError as exc:
-            return exc, "written to in place"
+        except DataFileChanged as exc:
+            return exc, exc.change
         return None, None
 
     def _split_failed(self, wanted: str, exc: Exception, stops: str | None = None) -> str:
