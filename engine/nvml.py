@@ -172,8 +172,12 @@ class Nvml:
             known, top = False, []
         top.sort(key=lambda p: -p["bytes"])
         used = int(memory.used)
+        # "others" is all in use but this process's, what the card has left for it (the budget panel's); "listed" is
+        # what NVML lists under other processes, so without the driver's own reservations (no process's: a few hundred
+        # MB with nothing running), which the contention warning must not read as another workload
         return {"name": self.name, "total": int(memory.total), "used": used, "free": int(memory.free),
-                "this": this, "others": max(0, used - this), "util": util, "top": top[:5], "per_process": known}
+                "this": this, "others": max(0, used - this), "listed": sum(p["bytes"] for p in top), "util": util,
+                "top": top[:5], "per_process": known}
 
 
 INTERPRETERS = ("python", "node", "java", "perl", "ruby", "bash", "sh", "dotnet", "mono")

@@ -2119,8 +2119,9 @@ def test_the_contention_banner_states_when_it_warns(qtbot, window):
     assert window.contention_banner.toolTip() == (
         "Said while the model generates, where other processes use at least 20% of this process's CPU cores (and half "
         "a core), a virtual machine's host gives other guests at least 10% of its CPU time, less than 10% of host "
-        "memory is available, other processes hold at least 10% of the memory of the GPU the model runs on, or the "
-        "CPU experts' throughput falls below 50% of its best since the load. Each is said once 2 of 3 samples in a "
+        "memory is available, other processes hold at least 10% of the memory of the GPU the model runs on (as NVML "
+        "counts each process's: the driver's own reservations are none's, and where the driver does not say whose "
+        "memory is whose this is not said), or the CPU experts' throughput falls below 50% of its best since the load. Each is said once 2 of 3 samples in a "
         "row show it, and goes after 3 calm samples in a row; ✕ keeps it down until then.")
 
 
@@ -2203,7 +2204,7 @@ def test_other_processes_vram_is_not_blamed_while_the_model_runs_without_the_gpu
     """A model on the CPU (or a simulated GPU) uses no memory of the real card: the banner said 'Other processes hold
     20.0 GiB of the GPU's 80.0 GiB: blender (20.0 GiB)' while it generated, a competitor that took nothing from it."""
     gpu = {"name": "NVIDIA Test GPU", "total": 80 << 30, "used": 20 << 30, "free": 60 << 30, "this": 0,
-           "others": 20 << 30, "util": 30.0, "per_process": True,
+           "others": 20 << 30, "listed": 20 << 30, "util": 30.0, "per_process": True,
            "top": [{"pid": 7, "name": "blender", "bytes": 20 << 30}]}
     sample = {"t": 1.0, "wall": 0.0, "cpu_per_core": [50.0, 50.0], "cpu_total": 50.0, "others_cpu_cores": 0.0,
               "top_cpu": [], "top_ram": [], "ram_total": 16 << 30, "ram_available": 8 << 30, "ram_this": 1 << 30,

@@ -499,7 +499,7 @@ def test_contention_rules():
     assert warned(stolen) == ["This virtual machine's host gives 25% of its CPU time to other guests (steal "
                                     "time): the CPU's expert kernels run slower and less evenly."]
     assert warned(dict(calm, cpu_steal_share=0.05)) == []
-    gpu = dict(calm, gpu={"total": 80 << 30, "others": 20 << 30, "top": [{"name": "blender", "bytes": 20 << 30}]})
+    gpu = dict(calm, gpu={"total": 80 << 30, "listed": 20 << 30, "top": [{"name": "blender", "bytes": 20 << 30}]})
     assert warned(gpu) == ["Other processes hold 20.0 GiB of the GPU's 80.0 GiB: blender (20.0 GiB). Memory they free "
                            "leaves room for more resident experts (device_expert_bytes)."]
     # a driver that hides per-process memory (a container): NVML's "others" is all in use, this process's included

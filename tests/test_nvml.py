@@ -69,6 +69,35 @@ def test_in_a_containers_pid_namespace_this_process_vram_is_not_counted_as_the_o
     assert warned(dict(calm, gpu=sample)) == []
 
 
+class DriverReserves(FakeNvml):
+    """A card whose driver holds `reserved` bytes of no process's beside the processes' own."""
+
+    def __init__(self, processes, reserved):
+        super().__init__(processes)
+        self.reserved = reserved
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        used = self.reserved + sum(used for _pid, used in self.processes)
+        return SimpleNamespace(total=8 << 30, used=used, free=(8 << 30) - used)
+
+
+def test_the_drivers_own_reservations_are_not_another_process_holding_vram(monkeypatch):
+    """On an 8 GiB card, the driver's 600 MiB (there with nothing running) and a 300 MiB process read as other
+    processes holding 900 MiB, over the warning's 10%: 'Other processes hold 900.0 MiB of the GPU's 8.0 GiB'. What
+    NVML lists under other processes counts; the card's memory left to this one (the budget panel's) keeps all."""
+    from tests.test_gui_parts import warned
+
+    calm = {"cpu_per_core": [10.0] * 8, "others_cpu_cores": 0.0, "ram_total": 100, "ram_available": 50}
+    monkeypatch.setattr(nvml, "pynvml", DriverReserves([(os.getpid(), 5 << 30), (os.getppid(), 300 << 20)], 600 << 20))
+    sample = nvml.Nvml().sample()
+    assert sample["others"] == 900 << 20 and sample["listed"] == 300 << 20 and sample["per_process"]
+    assert warned(dict(calm, gpu=sample)) == []
+    monkeypatch.setattr(nvml, "pynvml", DriverReserves([(os.getpid(), 5 << 30), (os.getppid(), 1 << 30)], 600 << 20))
+    busy = nvml.Nvml().sample()
+    assert [text.split(":")[0] for text in warned(dict(calm, gpu=busy))] == [
+        "Other processes hold 1.0 GiB of the GPU's 8.0 GiB"]
+
+
 def test_no_nvidia_gpu_says_why(monkeypatch):
     class Missing(FakeNvml):
         def nvmlInit(self):

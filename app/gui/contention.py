@@ -33,7 +33,8 @@ THRESHOLDS = (f"Said while the model generates, where other processes use at lea
               f"process's CPU cores (and half a core), a virtual machine's host gives other guests at least "
               f"{CPU_STEAL_SHARE:.0%} of its CPU time, less than {HOST_AVAILABLE_SHARE:.0%} of host memory is "
               f"available, other processes hold at least {VRAM_OTHERS_SHARE:.0%} of the memory of the GPU the model "
-              f"runs on, or the CPU experts' throughput falls below {THROUGHPUT_DROP:.0%} of its best since the load. "
+              f"runs on (as NVML counts each process's: the driver's own reservations are none's, and where the "
+              f"driver does not say whose memory is whose this is not said), or the CPU experts' throughput falls below {THROUGHPUT_DROP:.0%} of its best since the load. "
               f"Each is said once {RAISE_SAMPLES} of {RAISE_WITHIN} samples in a row show it, and goes after "
               f"{CALM_SAMPLES} calm samples in a row; ✕ keeps it down until then.")
 
@@ -95,12 +96,14 @@ def sample_warnings(sample: dict, on_gpu: bool = True) -> dict[str, str]:
     if total and available < HOST_AVAILABLE_SHARE * total:
         warnings["host memory"] = _host_memory(sample)
     gpu = sample.get("gpu")
-    # where NVML cannot say which process holds what (a driver that hides it, a container's pid namespace), its
-    # "others" is all that is used, ours included
+    # the memory NVML lists under other processes, not all in use less ours: the driver's own reservations are no
+    # process's, and no one can pause them. Nor the card's use at start-up as a baseline: a competitor already there
+    # would be in it, unsaid. Where NVML cannot say which process holds what (a driver that hides it, a container's
+    # pid namespace) nothing is said: all in use less the engine's own count would blame its KV cache and workspace
     if (on_gpu and gpu and gpu.get("per_process", True) and gpu.get("total")
-            and gpu.get("others", 0) >= VRAM_OTHERS_SHARE * gpu["total"]):
+            and gpu.get("listed", 0) >= VRAM_OTHERS_SHARE * gpu["total"]):
         top = gpu.get("top", [])
-        warnings["vram"] = (f"Other processes hold {human_bytes(gpu['others'])} of the GPU's "
+        warnings["vram"] = (f"Other processes hold {human_bytes(gpu['listed'])} of the GPU's "
                             f"{human_bytes(gpu['total'])}" + ((": " + _names(top, _vram)) if top else "")
                             + ". Memory they free leaves room for more resident experts (device_expert_bytes).")
     return warnings
