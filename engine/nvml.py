@@ -121,9 +121,10 @@ class Nvml:
             self.note = (f"{note}; NVML was asked {RETRIES + 1} times, {RETRY_AFTER_S:.0f} s apart, and is no longer "
                          "asked (restart MoE Workbench to read the GPU)")
 
-    def _processes(self) -> list:
-        """Compute and graphics processes on the GPU (newest NVML call the binding has first)."""
-        found = {}
+    def _processes(self) -> list[tuple]:
+        """Compute and graphics processes on the GPU (newest NVML call the binding has first), each with whether it
+        computes: one only among the graphics processes draws the screen."""
+        found, computing = {}, set()
         for kind in ("Compute", "Graphics"):
             for getter in (f"nvmlDeviceGet{kind}RunningProcesses_v3", f"nvmlDeviceGet{kind}RunningProcesses"):
                 function = getattr(self.nv, getter, None)
@@ -132,10 +133,12 @@ class Nvml:
                 try:
                     for proc in function(self.handle):
                         found.setdefault(proc.pid, proc)
+                        if kind == "Compute":
+                            computing.add(proc.pid)
                     break
                 except Exception:
                     continue
-        return list(found.values())
+        return [(proc, pid in computing) for pid, proc in found.items()]
 
     def sample(self) -> dict | None:
         if self.handle is None and self.retrying and self.clock() >= self._retry_at:
@@ -156,7 +159,7 @@ class Nvml:
             util = None
         me = os.getpid()
         this, top, known, listed_me = 0, [], True, False
-        for proc in self._processes():
+        for proc, computes in self._processes():
             used = getattr(proc, "usedGpuMemory", None)
             if used is None:
                 known = False  # the driver (or a container) hides per-process memory
@@ -164,8 +167,12 @@ class Nvml:
             if proc.pid == me:
                 this += int(used)
                 listed_me = True
-            else:
+            elif computes:
                 top.append({"pid": proc.pid, "name": _process_name(proc.pid), "bytes": int(used)})
+            # else it only draws: the display server or compositor (drawing this window too), a browser's GPU process.
+            # What it holds comes with the desktop, not work one would pause for the model. NVML's lists say so
+            # whatever it is called, where names (Xorg, Xwayland, gnome-shell, kwin_wayland, sway, ...) miss those
+            # not listed; a game draws only too, and goes unnamed
         if not listed_me and any(not psutil.pid_exists(p["pid"]) for p in top):
             # NVML gives the host's pids: in a container's pid namespace this process is listed under one this system
             # does not have, and which one is not known, so its memory must not be counted as the others'
@@ -173,8 +180,9 @@ class Nvml:
         top.sort(key=lambda p: -p["bytes"])
         used = int(memory.used)
         # "others" is all in use but this process's, what the card has left for it (the budget panel's); "listed" is
-        # what NVML lists under other processes, so without the driver's own reservations (no process's: a few hundred
-        # MB with nothing running), which the contention warning must not read as another workload
+        # what NVML lists under other processes that compute, so without the driver's own reservations (no process's:
+        # a few hundred MB with nothing running) nor the display's, which the contention warning must not read as
+        # another workload
         return {"name": self.name, "total": int(memory.total), "used": used, "free": int(memory.free),
                 "this": this, "others": max(0, used - this), "listed": sum(p["bytes"] for p in top), "util": util,
                 "top": top[:5], "per_process": known}

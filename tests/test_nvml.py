@@ -98,6 +98,37 @@ def test_the_drivers_own_reservations_are_not_another_process_holding_vram(monke
         "Other processes hold 1.0 GiB of the GPU's 8.0 GiB"]
 
 
+class WithDisplay(DriverReserves):
+    """A card that also draws the screen: `drawing` are NVML's graphics processes."""
+
+    def __init__(self, processes, drawing):
+        super().__init__(processes + drawing, 0)
+        self.computing, self.drawing = processes, drawing
+
+    def nvmlDeviceGetComputeRunningProcesses_v3(self, handle):
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in self.computing]
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle):
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in self.drawing]
+
+
+def test_the_display_server_drawing_the_window_is_not_another_process_competing_for_vram(monkeypatch):
+    """The display server (here pid 1) drawing the chat on an 8 GiB card held 900 MiB, and the banner said 'Other
+    processes hold 900.0 MiB of the GPU's 8.0 GiB' with it named, a competitor no one pauses. A process that only
+    draws is left out; one that computes and draws counts, once."""
+    from tests.test_gui_parts import warned
+
+    calm = {"cpu_per_core": [10.0] * 8, "others_cpu_cores": 0.0, "ram_total": 100, "ram_available": 50}
+    monkeypatch.setattr(nvml, "pynvml", WithDisplay([(os.getpid(), 5 << 30)], [(1, 900 << 20)]))
+    sample = nvml.Nvml().sample()
+    assert sample["others"] == 900 << 20 and sample["listed"] == 0 and sample["top"] == [] and sample["per_process"]
+    assert warned(dict(calm, gpu=sample)) == []
+    monkeypatch.setattr(nvml, "pynvml", WithDisplay([(os.getpid(), 5 << 30), (os.getppid(), 1 << 30)],
+                                                    [(1, 900 << 20), (os.getppid(), 1 << 30)]))
+    both = nvml.Nvml().sample()
+    assert both["listed"] == 1 << 30 and [p["pid"] for p in both["top"]] == [os.getppid()]
+
+
 def test_no_nvidia_gpu_says_why(monkeypatch):
     class Missing(FakeNvml):
         def nvmlInit(self):

@@ -33,8 +33,9 @@ THRESHOLDS = (f"Said while the model generates, where other processes use at lea
               f"process's CPU cores (and half a core), a virtual machine's host gives other guests at least "
               f"{CPU_STEAL_SHARE:.0%} of its CPU time, less than {HOST_AVAILABLE_SHARE:.0%} of host memory is "
               f"available, other processes hold at least {VRAM_OTHERS_SHARE:.0%} of the memory of the GPU the model "
-              f"runs on (as NVML counts each process's: the driver's own reservations are none's, and where the "
-              f"driver does not say whose memory is whose this is not said), or the CPU experts' throughput falls below {THROUGHPUT_DROP:.0%} of its best since the load. "
+              f"runs on (as NVML counts each process's: the driver's own reservations are none's, processes that only "
+              f"draw the screen are left out, and where the driver does not say whose memory is whose this is not "
+              f"said), or the CPU experts' throughput falls below {THROUGHPUT_DROP:.0%} of its best since the load. "
               f"Each is said once {RAISE_SAMPLES} of {RAISE_WITHIN} samples in a row show it, and goes after "
               f"{CALM_SAMPLES} calm samples in a row; ✕ keeps it down until then.")
 
@@ -96,10 +97,11 @@ def sample_warnings(sample: dict, on_gpu: bool = True) -> dict[str, str]:
     if total and available < HOST_AVAILABLE_SHARE * total:
         warnings["host memory"] = _host_memory(sample)
     gpu = sample.get("gpu")
-    # the memory NVML lists under other processes, not all in use less ours: the driver's own reservations are no
-    # process's, and no one can pause them. Nor the card's use at start-up as a baseline: a competitor already there
-    # would be in it, unsaid. Where NVML cannot say which process holds what (a driver that hides it, a container's
-    # pid namespace) nothing is said: all in use less the engine's own count would blame its KV cache and workspace
+    # the memory NVML lists under other processes that compute (engine/nvml.py), not all in use less ours: the
+    # driver's own reservations are no process's, and no one can pause them. Nor the card's use at start-up as a
+    # baseline: a competitor already there would be in it, unsaid. Where NVML cannot say which process holds what (a
+    # driver that hides it, a container's pid namespace) nothing is said: all in use less the engine's own count would
+    # blame its KV cache and workspace
     if (on_gpu and gpu and gpu.get("per_process", True) and gpu.get("total")
             and gpu.get("listed", 0) >= VRAM_OTHERS_SHARE * gpu["total"]):
         top = gpu.get("top", [])
