@@ -2051,7 +2051,7 @@ def test_contention_banner_names_the_processes(qtbot, window):
     assert not window.watch.warning()  # four slow readings are not enough
     window.watch.add(4e9)
     window._on_sample(dict(sample, others_cpu_cores=0.0, top_cpu=[]))
-    assert "fell to 4.00 GB/s from 10.00 GB/s" in window.contention_banner.text()
+    assert "fell to 4.00 GB/s from its usual 10.00 GB/s" in window.contention_banner.text()
     window._on_sample(sample)  # baloo_file back on the cores: it, not memory bandwidth, is what the drop is put to
     assert "(40%) as other processes or guests take its CPUs' time." in window.contention_banner.text()
     assert "memory bandwidth" not in window.contention_banner.text()
@@ -2122,8 +2122,9 @@ def test_the_contention_banner_states_when_it_warns(qtbot, window):
         "memory is available, other processes hold at least 10% of the memory of the GPU the model runs on (as NVML "
         "counts each process's: the driver's own reservations are none's, processes that only draw the screen are "
         "left out, and where the driver does not say whose memory is whose this is not said), or the CPU experts' "
-        "throughput falls below 50% of its best since the load. Each is said once 2 of 3 samples in a "
-        "row show it, and goes after 3 calm samples in a row; ✕ keeps it down until then.")
+        "throughput falls below 50% of its usual rate (the upper quartile of its last 10 minutes in decode since the "
+        "load or the last Apply). Each is said once 2 of 3 samples in a row show it, and goes after 3 calm samples in "
+        "a row; ✕ keeps it down until then.")
 
 
 def test_the_throughput_still_low_just_after_a_competitor_ends_is_not_blamed_on_memory_bandwidth(qtbot, window):
@@ -2170,7 +2171,7 @@ def test_a_throughput_drop_while_the_thread_count_gives_way_is_not_blamed_on_mem
                       "slots": [1], "copies": {"cpu_threads": threads}, "cpu_expert_rate": 0.0})
     window._on_sample(quiet)
     assert "memory bandwidth" not in window.contention_banner.text(), window.contention_banner.text()
-    assert "fell to 4.00 GB/s from 10.00 GB/s" in window.contention_banner.text()
+    assert "fell to 4.00 GB/s from its usual 10.00 GB/s" in window.contention_banner.text()
     window._on_busy("")
 
 

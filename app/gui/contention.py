@@ -5,7 +5,7 @@ Two kinds of warning, checked on every telemetry sample while the model generate
   machine, the hypervisor gives a significant share of the CPUs' time to other guests (steal time); host memory
   nearly full with this process holding most of it is said to be the model's own;
 - the engine's measured CPU expert throughput (bytes of expert weights the CPU kernels read per
-  second of their own time, during decode) falls clearly below its best since the model was loaded:
+  second of their own time, during decode) falls clearly below its usual level (ThroughputWatch):
   the sign that something competes for memory bandwidth even when the CPU graph looks calm.
 """
 
@@ -22,7 +22,7 @@ HOST_AVAILABLE_SHARE = 0.10   # less host memory available than this share of th
 HOST_OTHERS_SHARE = 0.25      # ...named as the cause where other processes (and the kernel) hold this share
 VRAM_OTHERS_SHARE = 0.10      # other processes holding this share of the GPU's memory
 CPU_STEAL_SHARE = 0.10        # a virtual machine's CPUs losing this share of their time to other guests
-THROUGHPUT_DROP = 0.50        # current / start below this: warn
+THROUGHPUT_DROP = 0.50        # current / usual level below this: warn
 RAISE_SAMPLES = 2             # samples of the last RAISE_WITHIN that show a warning before it is raised...
 RAISE_WITHIN = 3              # ...so one second's spike raises none, and a build between its jobs still does
 CALM_SAMPLES = 3              # calm samples in a row before a raised warning comes down
@@ -35,7 +35,8 @@ THRESHOLDS = (f"Said while the model generates, where other processes use at lea
               f"available, other processes hold at least {VRAM_OTHERS_SHARE:.0%} of the memory of the GPU the model "
               f"runs on (as NVML counts each process's: the driver's own reservations are none's, processes that only "
               f"draw the screen are left out, and where the driver does not say whose memory is whose this is not "
-              f"said), or the CPU experts' throughput falls below {THROUGHPUT_DROP:.0%} of its best since the load. "
+              f"said), or the CPU experts' throughput falls below {THROUGHPUT_DROP:.0%} of its usual rate (the upper "
+              f"quartile of its last 10 minutes in decode since the load or the last Apply). "
               f"Each is said once {RAISE_SAMPLES} of {RAISE_WITHIN} samples in a row show it, and goes after "
               f"{CALM_SAMPLES} calm samples in a row; ✕ keeps it down until then.")
 
@@ -169,25 +170,25 @@ class WarningHold:
 
 @dataclass
 class ThroughputWatch:
-    """CPU expert throughput (bytes/s) measured by the worker during decode, against its best since the start.
+    """CPU expert throughput (bytes/s) measured by the worker during decode, against its usual level.
 
-    The start is the median of the first few measurements after a load, the very first one left out
-    (it can include kernel compilation); the current value is the median of the last few. Medians,
-    so that one slow quarter-second does not raise the banner. The baseline is the start or the best
-    current value since, whichever is higher: the first measurements can be cold (the experts' pages
-    still being mapped in), and a baseline they lowered hid a competitor that came later."""
-    start_samples: int = 5
+    The current value is the median of the last few measurements, so that one slow quarter-second does not raise
+    the banner. The usual level is the upper quartile of the last `window` measurements since a load or a re-plan
+    (MainWindow resets it at each: another plan's rate is not this one's), the very first left out (it can include
+    kernel compilation). A high quantile, so that the first cold measurements (the experts' pages still being mapped in) do
+    not lower it and hide a competitor that came later; over a window, where the best since the start (as it was)
+    kept a fast spell's rate until the next Apply, and normal speed after it read as contention. A spell under a
+    quarter of the window moves the level not at all, and a competitor that stays is said until it fills three
+    quarters of it (7.5 minutes of decode): by then its speed is what this machine gives, not a drop."""
+    window: int = 2400  # measurements: 10 minutes of decode at the worker's one every 0.25 s (STATS_INTERVAL_S)
+    start_samples: int = 5  # measurements before there is a level
     recent_samples: int = 5
     skipped: int = 0
-    start: list[float] = field(default_factory=list)
-    recent: list[float] = field(default_factory=list)
-    best: float = 0.0  # the highest median of the last few since the start
+    readings: list[float] = field(default_factory=list)
 
     def reset(self) -> None:
-        self.start.clear()
-        self.recent.clear()
+        self.readings.clear()
         self.skipped = 0
-        self.best = 0.0
 
     def add(self, bytes_per_s: float) -> None:
         if bytes_per_s <= 0:
@@ -195,20 +196,21 @@ class ThroughputWatch:
         if not self.skipped:
             self.skipped = 1
             return
-        if len(self.start) < self.start_samples:
-            self.start.append(bytes_per_s)
-            return
-        self.recent.append(bytes_per_s)
-        del self.recent[:-self.recent_samples]
-        self.best = max(self.best, self.current)
+        self.readings.append(bytes_per_s)
+        del self.readings[:-self.window]
 
     @property
     def baseline(self) -> float:
-        return max(statistics.median(self.start), self.best) if len(self.start) >= self.start_samples else 0.0
+        if len(self.readings) < self.start_samples:
+            return 0.0
+        return statistics.quantiles(self.readings, n=4, method="inclusive")[-1]
 
     @property
     def current(self) -> float:
-        return statistics.median(self.recent) if len(self.recent) >= self.recent_samples else 0.0
+        """The median of the last few, once there are as many beyond the level's first."""
+        if len(self.readings) < self.start_samples + self.recent_samples:
+            return 0.0
+        return statistics.median(self.readings[-self.recent_samples:])
 
     def warning(self, cpu_taken: bool = False) -> str:
         """The drop, said where it is clear; with `cpu_taken` (contention.cpu_taken) the kernels' threads lose CPU
@@ -217,5 +219,5 @@ class ThroughputWatch:
             return ""
         cause = (" as other processes or guests take its CPUs' time" if cpu_taken
                  else ": something competes for memory bandwidth")
-        return (f"CPU expert throughput fell to {self.current / 1e9:.2f} GB/s from {self.baseline / 1e9:.2f} GB/s "
-                f"since the model was loaded ({self.current / self.baseline:.0%}){cause}.")
+        return (f"CPU expert throughput fell to {self.current / 1e9:.2f} GB/s from its usual "
+                f"{self.baseline / 1e9:.2f} GB/s ({self.current / self.baseline:.0%}){cause}.")

@@ -937,7 +937,7 @@ class MainWindow(QMainWindow):
     @Slot(dict)
     def _on_replanned(self, info: dict) -> None:
         # the CPU's share of the experts changed, and with it its calls' size and their bytes a second (a call's fixed
-        # cost weighs more on fewer experts): measured against the old plan's start, that read as contention
+        # cost weighs more on fewer experts): measured against the old plan's level, that read as contention
         self.watch.reset()
         self.placement.forget_rate()
         self.model_panel.show_landed(info["landed"])
