@@ -1042,6 +1042,22 @@ def test_the_contention_tables_last_column_is_time_together_over_alone_and_says_
     assert [view.table.item(r, 3).text() for r in range(2)] == ["0.65× (faster)", "1.00×"]
 
 
+def test_the_saved_h100_contention_report_reads_as_a_report_made_now():
+    """docs/h100/contention.md, the README's contention report, was saved before the column was renamed: it kept
+    "slowdown" over 0.91x and 0.81x, both runs faster together. Its table has the header and the words markdown()
+    gives."""
+    from engine.records.contention import RATIO_HEADER, ratio_words
+
+    lines = (Path(__file__).parent.parent / "docs" / "h100" / "contention.md").read_text().splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("| workload"))
+    assert lines[head:head + 2] == [f"| workload | alone | together | {RATIO_HEADER} |", "|---|---|---|---|"]
+    for row in lines[head + 2:head + 4]:
+        alone, together, ratio = (cell.strip() for cell in row.strip("| ").split(" | ")[1:])
+        figure = float(ratio.split("x")[0])
+        assert ratio == ratio_words(figure, "x"), row
+        assert figure == pytest.approx(float(together[:-2]) / float(alone[:-2]), abs=0.05), row
+
+
 def test_the_windows_record_and_contention_test_past_the_context_do_not_say_to_start_a_new_conversation(
         copy_fixture, tmp_path, monkeypatch):
     """A multiturn Record or contention test whose answers filled the model's context ended in the chat's "...: start a
