@@ -1122,7 +1122,7 @@ def _print_sweep(points: list, chosen, args, ids_of: dict) -> None:
 
 
 def _cmd_history(args) -> int:
-    from engine.records.history import History, device_text
+    from engine.records.history import History, budget_text, device_text
     from engine.records.scenarios import SCENARIOS
     from engine.records.side_by_side import SCENARIO, SCENARIO_AT_ONCE
 
@@ -1148,7 +1148,7 @@ def _cmd_history(args) -> int:
     for row in rows:
         label = " ".join((row["label"] or "-").splitlines())  # a label of two lines (given so) on its run's line
         print(f"{row['id']:>5}  {row['created']}  {row['scenario']:<9}  {label:<14}  "
-              f"{device_text(row):<28}  budget {_budget_text(row['budget'], row['device'])}  "
+              f"{device_text(row):<28}  budget {budget_text(row) or '-'}  "
               f"completion {seconds_figures(row['completion_s'])} s{_projected_completion(row)}  "
               f"{_tokens_text(row['generated_tokens'])}  "
               + (f"(approximate routing{_agreement_note(row['routing_agreement'], row['generated_tokens'])})  "
@@ -1172,14 +1172,6 @@ def _agreement_note(agreement: float | None, tokens: int) -> str:
 
 def _tokens_text(tokens: int | None) -> str:
     return "tokens ?" if tokens is None else f"{tokens} token{'' if tokens == 1 else 's'}"
-
-
-def _budget_text(budget: str | None, device: str | None) -> str:
-    """The expert budget as saved (bytes or 'auto'), in the unit that fits where it is bytes (as the window's table);
-    none for an all-CPU run."""
-    if not device or device == "cpu":
-        return "-"
-    return human_bytes(int(budget)) if budget and budget.isdigit() else str(budget or "auto")
 
 
 def _cmd_contention(args) -> int:

@@ -618,6 +618,32 @@ def test_side_by_side_says_b_could_not_load_beside_a_where_the_device_had_too_li
         "(they are /model/layers.0/moe/QMoE, /model/layers.1/moe/QMoE)")
 
 
+def test_the_history_gives_b_the_budget_it_had_beside_a_then_the_one_it_asked(qtbot, tmp_path, capsys):
+    """B's device_expert_bytes, more than the device had free beside A, was cut to that free memory, yet the
+    History's budget column (and `history`'s) gave the bytes asked, as if B had had them. Both now give the bytes B
+    had, then those asked."""
+    import app.gui.records_jobs as jobs
+    from app.cli import main
+    from app.gui.history_view import HEADERS, HistoryView
+
+    card, entries = SHARED_CARD["device"]["capacity"], SHARED_CARD["entries"]
+    device = SimulatedDevice(card)
+    left = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig.from_entries(entries), device=device)
+    ctx = jobs.JobContext(left, device, SHARED_CARD["device"], threading.Event(), lambda *_: None, lambda _: None,
+                          lambda _choice, config, _notes: SimulatedDevice(card, mem_limit=config.gpu_device_mem_limit))
+    history = tmp_path / "h.sqlite"
+    result = jobs.SideBySideJob("Hi", 1, {**entries, "device_expert_bytes": str(16 * EXPERT)},
+                                history_path=str(history))(ctx)
+    b = result.comparison.budgets[1]
+    assert b.cut and (b.budget_bytes, b.asked_bytes) == (8 * EXPERT, 16 * EXPERT)
+    view = HistoryView(history)
+    qtbot.addWidget(view)
+    assert [view.table.item(row, HEADERS.index("budget")).text() for row in (0, 1)] == [
+        "276.0 KiB (asked 552.0 KiB)", "auto"]  # B, then A
+    assert main(["history", "--history", str(history)]) == 0
+    assert "  budget 276.0 KiB (asked 552.0 KiB)  " in capsys.readouterr().out.splitlines()[0]
+
+
 def test_side_by_side_does_not_blame_a_where_bs_own_gpu_device_mem_limit_left_it_too_little(tmp_path):
     """B refused under its own gpu_device_mem_limit, which bounds what B has free whatever A holds, was said to have
     failed "(beside A, which stays loaded and holds 1.1 MiB of the device)": the limit's sums alone say why."""

@@ -13,7 +13,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QDialogBut
 
 from app.gui.record_report import compare_html, detail_html, fmt, title
 from engine.errors import not_written, one_line
-from engine.records.history import History, default_path, device_text
+from engine.records.history import History, budget_text, default_path, device_text
 from engine.records.schema import RecordError
 from engine.records.scenarios import SCENARIOS
 from engine.records.side_by_side import SCENARIO as SIDE_BY_SIDE, SCENARIO_AT_ONCE as SIDE_BY_SIDE_AT_ONCE
@@ -25,14 +25,6 @@ FIRST_NUMBER = HEADERS.index("load")  # the columns from here on are numbers, ri
 DEVICE = HEADERS.index("device")
 EXPORTS = {"json": "JSON (*.json)", "csv": "CSV (*.csv)", "markdown": "Markdown (*.md)"}
 SUFFIX = {"json": ".json", "csv": ".csv", "markdown": ".md"}
-
-
-def _budget(row: dict) -> str:
-    """The expert budget as saved; none for an all-CPU run (as `history` says: its "auto" budgets no device)."""
-    budget = row["budget"]
-    if (row["device"] or "cpu") == "cpu":
-        return "—"
-    return fmt(int(budget), "bytes") if budget and str(budget).isdigit() else (budget or "auto")
 
 
 def _routing(row: dict) -> str:
@@ -53,7 +45,7 @@ def _local_time(created: str | None) -> str:
 
 def _cells(row: dict) -> list[str]:
     return [str(row["id"]), _local_time(row["created"]), row["scenario"] or "",
-            row["label"] or "", Path(row["model"] or "").name, device_text(row), _budget(row), _routing(row),
+            row["label"] or "", Path(row["model"] or "").name, device_text(row), budget_text(row) or "—", _routing(row),
             fmt(row["load_s"], "s"), fmt(row["ttft_s"], "s"), fmt(row["decode_tokens_per_s"], "tok/s"),
             fmt(row["completion_s"], "s"), fmt(row["generated_tokens"], "n"), fmt(row["peak_device_bytes"], "bytes"),
             fmt(row["peak_rss_bytes"], "bytes")]

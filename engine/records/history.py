@@ -17,12 +17,14 @@ import platformdirs
 from engine.errors import WorkbenchError
 from engine.records.environment import cuda_version_text
 from engine.records.schema import ALL_RESIDENT, NewerRecord, RecordError, RunRecord, decode_path_run
+from engine.units import human_bytes
 
 # the history file's own schema, kept as SQLite's user_version: 1 (files written before it was kept read 0), the runs
 # table with the summary columns alone; 2, with the columns of EXTRA besides, to compare runs in a spreadsheet; 3, with
 # the versions of NumPy, Numba, CuPy, CUDA and the GPU driver and the popularity file's SHA-256 besides (the numbers
-# depend on them); 4, with why a run on the CPU ran there where it asked for the CUDA GPU (device_fallback) besides
-HISTORY_VERSION = 4
+# depend on them); 4, with why a run on the CPU ran there where it asked for the CUDA GPU (device_fallback) besides; 5,
+# with the expert budget the plan set (budget_bytes) besides the one asked (budget)
+HISTORY_VERSION = 5
 SUMMARY = ("id", "created", "scenario", "label", "model", "device", "budget", "load_s", "ttft_s",
            "decode_tokens_per_s", "completion_s", "peak_device_bytes", "peak_rss_bytes")
 
@@ -81,6 +83,8 @@ EXTRA = (
     ("pinned_bytes", "INTEGER", lambda r: r.peaks.get("pinned_bytes")),
     ("bytes_moved", "INTEGER", lambda r: r.bytes_moved),
     ("expert_hit_rate", "REAL", _hit_rate),
+    # the expert budget the plan set (budget: the one asked), less where the device had less free
+    ("budget_bytes", "INTEGER", lambda r: r.offload.get("budget_bytes")),
     ("placement_mode", "TEXT", lambda r: r.offload.get("placement_mode") or "cpu_only"),
     # the note why the CUDA GPU the run asked for could not be used (None where it had it, or chose the CPU)
     ("device_fallback", "TEXT", lambda r: r.offload.get("device_fallback")),
@@ -126,6 +130,20 @@ def device_text(row: dict) -> str:
     "cpu" (its record's detail and the exports give the reason whole)."""
     device = row["device"] or "cpu"
     return f"{device} (CUDA GPU unusable)" if row["device_fallback"] else device
+
+
+def budget_text(row: dict) -> str | None:
+    """A row's expert budget as the lists give it: device_expert_bytes or "auto" as asked; where the plan cut the bytes
+    asked to what the device had free (side-by-side's B beside A), the bytes the run had, then those asked ("1.2 GiB
+    (asked 2.0 GiB)"). None for an all-CPU run: it budgets no device."""
+    if (row["device"] or "cpu") == "cpu":
+        return None
+    asked, had = row["budget"], row["budget_bytes"]
+    if not (asked and asked.isdigit()):
+        return asked or "auto"
+    if had is not None and had < int(asked):
+        return f"{human_bytes(had)} (asked {human_bytes(int(asked))})"
+    return human_bytes(int(asked))
 
 
 def default_path() -> Path:

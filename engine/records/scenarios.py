@@ -196,7 +196,11 @@ def offload_description(model: LoadedModel, device) -> dict:
     path = state["decode_path"]
     if model.offload.plan.placement_mode == "all_resident":  # no expert was cold: no decode path ran
         path = dict(path, in_force=ALL_RESIDENT)
-    return {"device": device.name if device is not None else "cpu", "entries": model.offload.config.to_entries(),
+    config = model.offload.config
+    return {"device": device.name if device is not None else "cpu", "entries": config.to_entries(),
+            # the expert budget the plan set: device_expert_bytes, or less where the device had less free (the
+            # planner's cut: side-by-side's B beside A), or the automatic one; None where offload is disabled
+            "budget_bytes": model.offload.plan.budget_bytes if config.mode != "disabled" else None,
             "placement_mode": model.offload.plan.placement_mode, "slots": model.offload.plan.slots,
             # the experts placement kept in device slots as the run ended, not the slots it left to copied misses:
             # what a sweep point's share resident is measured by

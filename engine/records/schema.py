@@ -52,7 +52,9 @@ class RunRecord:
     # the SHA-256 of the popularity file's bytes that placed the experts (None without one; absent in older records);
     # "device_fallback" (only where the run asked for the CUDA GPU and could not have it: a scenario's, a side-by-side
     # side's; absent otherwise and in older records): why every expert ran on the CPU instead; "resident_experts" (on a
-    # device; absent in older records): the experts in device slots as the run ended
+    # device; absent in older records): the experts in device slots as the run ended; "budget_bytes" (absent in older
+    # records; None where offload is disabled): the expert budget the plan set, less than device_expert_bytes where the
+    # device had less free (side-by-side's B beside A)
     timings: dict                         # load_s, prefill_s, time_to_first_token_s, decode_tokens_per_s, completion_s,
     # settle_s (optional: seconds waited before the run for the model's background work after load and the CPU
     # kernels' compilation, engine/kernel_warmup.py); warm_up_s (optional: seconds of the unrecorded short answer
