@@ -1476,10 +1476,11 @@ def test_side_by_side_on_a_simulated_card_says_each_sides_projected_decode_rate_
     from app.gui.side_by_side_view import side_stats, speed_text
 
     def record(first_token_s, rate, projected):
-        timings = {"time_to_first_token_s": first_token_s, "decode_tokens_per_s": rate, "total_s": 0.05}
+        timings = {"time_to_first_token_s": first_token_s, "decode_tokens_per_s": rate}
         return SimpleNamespace(turns=[{"timings": timings, "generated_tokens": 12, "finish_reason": "length"}],
                                scenario="side-by-side", approximate_routing=False,
-                               timings={"projected": {"decode_tokens_per_s": projected}}, peaks={"device_bytes": 0},
+                               timings={"completion_s": 0.05, "projected": {"decode_tokens_per_s": projected}},
+                               peaks={"device_bytes": 0},
                                offload={})
 
     a, b = record(0.034, 588.5, 621.8), record(0.017, 661.5, 1529.9)
@@ -1502,9 +1503,10 @@ def test_side_by_sides_columns_keep_how_each_answer_ended_once_the_comparison_en
     from app.gui.side_streams import side_status
 
     def record(finish_reason, tokens):
-        timings = {"time_to_first_token_s": 0.01, "decode_tokens_per_s": 40.0, "total_s": 0.3}
+        timings = {"time_to_first_token_s": 0.01, "decode_tokens_per_s": 40.0}
         return SimpleNamespace(turns=[{"timings": timings, "generated_tokens": tokens, "finish_reason": finish_reason}],
-                               approximate_routing=False, timings={}, peaks={"device_bytes": None}, offload={})
+                               approximate_routing=False, timings={"completion_s": 0.3}, peaks={"device_bytes": None},
+                               offload={})
 
     assert side_stats(record("max_length", 11))["tokens"] == "stopped at the model's search.max_length (11 tokens)"
     assert side_stats(record("length", 50))["tokens"] == "stopped at the length (50 tokens)"
@@ -1559,9 +1561,10 @@ def test_side_by_sides_columns_show_each_sides_device_peak(qapp):
     from app.gui.side_by_side_view import side_stats
 
     def record(device_bytes):
-        timings = {"time_to_first_token_s": 0.01, "decode_tokens_per_s": 40.0, "total_s": 0.3}
+        timings = {"time_to_first_token_s": 0.01, "decode_tokens_per_s": 40.0}
         return SimpleNamespace(turns=[{"timings": timings, "generated_tokens": 8, "finish_reason": "length"}],
-                               approximate_routing=False, timings={}, peaks={"device_bytes": device_bytes},
+                               approximate_routing=False, timings={"completion_s": 0.3},
+                               peaks={"device_bytes": device_bytes},
                                offload={})
 
     assert side_stats(record(671232))["device peak"] == "655.5 KiB"
@@ -1609,14 +1612,15 @@ def test_a_one_token_answer_shows_no_decode_rate(qapp):
         "first token 171 ms · 40.0 tok/s · 0.170 s · 2 tokens · ")
     assert answered_text(two) == "Answered: 2 tokens, 40.0 tok/s"
     record = SimpleNamespace(turns=[{"timings": one, "generated_tokens": 1, "finish_reason": "length"}],
-                             approximate_routing=False, timings={}, peaks={"device_bytes": None}, offload={})
+                             approximate_routing=False, timings={"completion_s": 0.17}, peaks={"device_bytes": None},
+                             offload={})
     assert side_stats(record)["decode"] == "—" and side_stats(record)["tokens"] == "stopped at the length (1 token)"
 
 
 def test_a_fast_answers_time_reads_in_three_figures():
-    """The chat's line under an answer and side by side's total gave the answer's time to two decimals: a small model's
-    answer of a few milliseconds read "0.00 s", where a record's line and the history give three figures under a
-    second."""
+    """The chat's line under an answer and side by side's total (now its completion) gave the answer's time to two
+    decimals: a small model's answer of a few milliseconds read "0.00 s", where a record's line and the history give
+    three figures under a second."""
     from types import SimpleNamespace
 
     from app.gui.chat_panel import stats_line
@@ -1627,11 +1631,28 @@ def test_a_fast_answers_time_reads_in_three_figures():
     assert stats_line({"timings": fast, "finish_reason": "length"}).startswith(
         "first token 1 ms · 2500.0 tok/s · 0.00220 s · 4 tokens · ")
 
-    def total(seconds: float) -> str:
-        turn = {"timings": dict(fast, total_s=seconds), "generated_tokens": 4, "finish_reason": "length"}
-        return side_stats(SimpleNamespace(turns=[turn], approximate_routing=False, timings={},
-                                          peaks={"device_bytes": None}, offload={}))["total"]
-    assert (total(0.0022), total(12.345)) == ("0.00220 s", "12.35 s")
+    def completion(seconds: float) -> str:
+        turn = {"timings": fast, "generated_tokens": 4, "finish_reason": "length"}
+        return side_stats(SimpleNamespace(turns=[turn], approximate_routing=False, timings={"completion_s": seconds},
+                                          peaks={"device_bytes": None}, offload={}))["completion"]
+    assert (completion(0.0022), completion(12.345)) == ("0.00220 s", "12.35 s")
+
+
+def test_side_by_sides_completion_is_the_runs_under_the_historys_name(qapp):
+    """A column's "total" was its answer's time (the turn's total_s), the History's "completion" the run's (the
+    record's completion_s, which counts the prompt's rendering and encoding too): one record, two names, two times.
+    The column now gives the run's completion, under the History's name."""
+    from types import SimpleNamespace
+
+    from app.gui.history_view import HEADERS
+    from app.gui.side_by_side_view import STATS, side_stats
+
+    turn = {"timings": {"time_to_first_token_s": 0.01, "decode_tokens_per_s": 40.0, "total_s": 0.25},
+            "generated_tokens": 8, "finish_reason": "length"}
+    record = SimpleNamespace(turns=[turn], approximate_routing=False, timings={"completion_s": 0.3},
+                             peaks={"device_bytes": None}, offload={})
+    assert side_stats(record)["completion"] == "0.300 s"
+    assert "completion" in STATS and "completion" in HEADERS and "total" not in STATS
 
 
 def test_an_answers_agreement_with_exact_routing_says_of_how_many_tokens():

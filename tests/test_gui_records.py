@@ -369,6 +369,7 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
                                                   f"projected {record.timings['projected']['decode_tokens_per_s']:.1f} "
                                                   "tok/s")
         assert column.values["device peak"].text() == human_bytes(record.peaks["device_bytes"])
+        assert column.values["completion"].text() == f"{seconds_figures(record.timings['completion_s'])} s"
     assert sorted(window.history.ids()) == sorted(view.result.saved_ids) and len(view.result.saved_ids) == 2
     assert len(waits) == 1 and waits[0] is not window.worker._device  # the right side's own device, once
     # B with whole layers (this app's own setting beside onnxruntime's keys): the same answer, and its record says so

@@ -355,9 +355,10 @@ def test_side_by_sides_two_columns_stay_equal_and_still_whatever_their_statuses_
 def test_a_side_by_side_column_ends_on_the_tokens_its_record_counts():
     from app.gui.side_by_side_view import side_stats
 
-    timings = {"time_to_first_token_s": 0.1, "decode_tokens_per_s": 9.0, "total_s": 140.0}
+    timings = {"time_to_first_token_s": 0.1, "decode_tokens_per_s": 9.0}
     record = SimpleNamespace(turns=[{"timings": timings, "generated_tokens": 1234, "finish_reason": "length"}],
-                             approximate_routing=False, timings={}, peaks={"device_bytes": None}, offload={})
+                             approximate_routing=False, timings={"completion_s": 140.0}, peaks={"device_bytes": None},
+                             offload={})
     assert side_stats(record)["tokens"] == "stopped at the length (1,234 tokens)"
 
 
@@ -429,9 +430,10 @@ def test_a_side_by_side_stopped_during_a_says_b_never_started(qtbot, monkeypatch
         on_text(0, None, "lo")
         on_done(0, "cancelled", 2)
         on_done(1, "cancelled", 0)  # (compare's end of a side that had not begun)
-        timings = {"time_to_first_token_s": 0.1, "decode_tokens_per_s": 9.0, "total_s": 0.3}
+        timings = {"time_to_first_token_s": 0.1, "decode_tokens_per_s": 9.0}
         a = SimpleNamespace(turns=[{"finish_reason": "cancelled", "generated_tokens": 2, "timings": timings}],
-                            approximate_routing=False, timings={}, peaks={"device_bytes": None}, offload={})
+                            approximate_routing=False, timings={"completion_s": 0.3}, peaks={"device_bytes": None},
+                            offload={})
         return Comparison((a, SimpleNamespace(turns=[], approximate_routing=False)), None)
 
     shown, answers = _run_side_by_side_job(qtbot, monkeypatch, stopped_in_a)
@@ -480,10 +482,10 @@ def test_a_side_by_side_whose_margins_failed_shows_both_answers_saved_and_says_w
     from engine.records.side_by_side import Comparison
 
     view = _view(qtbot)
-    timings = {"time_to_first_token_s": 0.1, "decode_tokens_per_s": 9.0, "total_s": 1.0}
+    timings = {"time_to_first_token_s": 0.1, "decode_tokens_per_s": 9.0}
     record = SimpleNamespace(turns=[{"timings": timings, "generated_tokens": 2, "finish_reason": "length"}],
-                             approximate_routing=False, scenario="side-by-side", offload={}, timings={},
-                             peaks={"device_bytes": None})
+                             approximate_routing=False, scenario="side-by-side", offload={},
+                             timings={"completion_s": 1.0}, peaks={"device_bytes": None})
     comparison = Comparison((record, record), 0, margins_failure="MemoryError: std::bad_alloc")
     view.on_finished(SideBySideResult(comparison, [["Hello", " there"]] * 2, saved_ids=[3, 4]))
     assert view.divergence.text().startswith(

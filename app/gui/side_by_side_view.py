@@ -32,7 +32,8 @@ from engine.records.side_by_side import NEAR_TIE, SCENARIO_AT_ONCE, SideBudget, 
 from engine.units import decode_rate, human_bytes, seconds_figures
 
 KIND = "comparing"
-STATS = ("first token", "decode", "total", "tokens", "expert budget", "device peak", "routing")
+# "completion": the run's time, its record's completion_s, as the History's column of that name gives it
+STATS = ("first token", "decode", "completion", "tokens", "expert budget", "device peak", "routing")
 
 
 # this app's own settings beside onnxruntime's keys (engine/offload/layer_split.py, decode_path.py), with their values
@@ -170,7 +171,7 @@ def side_stats(record, budget: SideBudget | None = None) -> dict[str, str]:
     if projected_decode(record):
         decode += f", projected {decode_rate(projected_decode(record))}"  # short: the comparison below names the card
     return {"first token": f"{t['time_to_first_token_s'] * 1000:.0f} ms", "decode": decode,
-            "total": f"{seconds_figures(t['total_s'])} s",
+            "completion": f"{seconds_figures(record.timings['completion_s'])} s",
             "tokens": ended_status(turn["finish_reason"], turn["generated_tokens"]),
             "expert budget": budget_text(budget),
             "device peak": device_peak_text(record.peaks["device_bytes"], record.offload.get("device_fallback")),
