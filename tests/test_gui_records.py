@@ -5,6 +5,7 @@ Waits are on what the window shows (qtbot.waitUntil), as in tests/test_gui.py.""
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import subprocess
@@ -643,6 +644,38 @@ def test_the_history_gives_b_the_budget_it_had_beside_a_then_the_one_it_asked(qt
         "276.0 KiB (asked 552.0 KiB)", "auto"]  # B, then A
     assert main(["history", "--history", str(history)]) == 0
     assert "  budget 276.0 KiB (asked 552.0 KiB)  " in capsys.readouterr().out.splitlines()[0]
+
+
+def test_the_history_says_a_sides_process_rss_peak_holds_both_sides_models(qtbot, tmp_path):
+    """B is loaded beside A in one process, so each side's RSS and VRAM peaks are the process's and hold the other
+    side's model too; History's "RSS peak" gave them as if each side's own. A side's record now says the other side's
+    model was loaded, and History and the run's detail say so; a side that answered alone (B could not load) says
+    nothing of the kind."""
+    import app.gui.records_jobs as jobs
+    from app.gui.history_view import HEADERS, RSS_TIP, HistoryView
+    from app.gui.record_report import detail_html
+
+    card, entries = SHARED_CARD["device"]["capacity"], SHARED_CARD["entries"]
+    device = SimulatedDevice(card)
+    left = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig.from_entries(entries), device=device)
+    ctx = jobs.JobContext(left, device, SHARED_CARD["device"], threading.Event(), lambda *_: None, lambda _: None,
+                          lambda _choice, config, _notes: SimulatedDevice(card, mem_limit=config.gpu_device_mem_limit))
+    history = tmp_path / "h.sqlite"
+    both = jobs.SideBySideJob("Hi", 1, entries, history_path=str(history))(ctx).comparison.records
+    assert [record.peaks["other_side_loaded"] for record in both] == [True, True]
+    alone = jobs.SideBySideJob("Hi", 1, {**entries, "mode": "required", "device_expert_bytes": str(16 * EXPERT)},
+                               history_path=str(history))(ctx).comparison.records[0]  # B could not load
+    assert alone.peaks["other_side_loaded"] is False
+    view = HistoryView(history)
+    qtbot.addWidget(view)
+    rss = HEADERS.index("process RSS peak")
+    peaks = [record.peaks["rss_bytes"] for record in (alone, both[1], both[0])]  # newest first
+    assert [view.table.item(row, rss).text() for row in range(3)] == [
+        human_bytes(peaks[0]), f"{human_bytes(peaks[1])} (A and B loaded)", f"{human_bytes(peaks[2])} (A and B loaded)"]
+    assert view.table.horizontalHeaderItem(rss).toolTip() == RSS_TIP
+    said = "both sides' models: the other side's was loaded in this process too (side by side)"
+    assert said in html.unescape(detail_html(both[1])) and "process peaks hold" in detail_html(both[1])
+    assert "process peaks hold" not in detail_html(alone)
 
 
 def test_side_by_side_does_not_blame_a_where_bs_own_gpu_device_mem_limit_left_it_too_little(tmp_path):

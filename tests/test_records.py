@@ -1591,7 +1591,7 @@ def test_side_by_side_of_two_tokenizers_compares_the_answers_text_not_their_toke
     def run_turns(model, *_args, **_kwargs):
         tokens, reasoning, answer = answers[id(model)]
         return SimpleNamespace(turns=[{"tokens": tokens, "reasoning": reasoning, "answer": answer,
-                                       "finish_reason": "eos", "generated_tokens": len(tokens)}])
+                                       "finish_reason": "eos", "generated_tokens": len(tokens)}], peaks={})
 
     monkeypatch.setattr(side_by_side, "run_turns", run_turns)
     answers.update({id(left): ([5, 6, 7], "", "Hello there"), id(right): ([91, 92], "", "Hello there")})

@@ -20,9 +20,13 @@ from engine.records.side_by_side import SCENARIO as SIDE_BY_SIDE, SCENARIO_AT_ON
 from engine.units import counted
 
 HEADERS = ("id", "created", "scenario", "label", "model", "device", "budget", "routing", "load", "first token",
-           "decode", "completion", "tokens", "device peak", "RSS peak")
+           "decode", "completion", "tokens", "device peak", "process RSS peak")
 FIRST_NUMBER = HEADERS.index("load")  # the columns from here on are numbers, right-aligned
 DEVICE = HEADERS.index("device")
+RSS = HEADERS.index("process RSS peak")
+RSS_TIP = ("The resident memory of the process that ran it, at its peak during the run: every model loaded in it. A "
+           "side-by-side run's holds both sides' models (\"A and B loaded\").")
+BOTH_LOADED = " (A and B loaded)"
 EXPORTS = {"json": "JSON (*.json)", "csv": "CSV (*.csv)", "markdown": "Markdown (*.md)"}
 SUFFIX = {"json": ".json", "csv": ".csv", "markdown": ".md"}
 
@@ -48,7 +52,7 @@ def _cells(row: dict) -> list[str]:
             row["label"] or "", Path(row["model"] or "").name, device_text(row), budget_text(row) or "—", _routing(row),
             fmt(row["load_s"], "s"), fmt(row["ttft_s"], "s"), fmt(row["decode_tokens_per_s"], "tok/s"),
             fmt(row["completion_s"], "s"), fmt(row["generated_tokens"], "n"), fmt(row["peak_device_bytes"], "bytes"),
-            fmt(row["peak_rss_bytes"], "bytes")]
+            fmt(row["peak_rss_bytes"], "bytes") + (BOTH_LOADED if row["other_side_loaded"] else "")]
 
 
 class RecordDialog(QDialog):
@@ -90,6 +94,7 @@ class HistoryView(QWidget):
             widget.setAccessibleName(name)
         self.table = QTableWidget(0, len(HEADERS))
         self.table.setHorizontalHeaderLabels(HEADERS)
+        self.table.horizontalHeaderItem(RSS).setToolTip(RSS_TIP)
         self.table.setAccessibleName("Saved runs")
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.ExtendedSelection)

@@ -185,6 +185,10 @@ def detail_html(record: RunRecord, run_id: int | None = None) -> str:
                # (a run on the CPU or the simulated card has no projection, VRAM or pinned memory: left out)
                if not ((label.startswith("projected") or label in (PROCESS_VRAM, PINNED)) and get(record) is None)
                and label != THREADS_METRIC]
+    if record.peaks.get("other_side_loaded"):  # side by side: one process held both sides' models
+        after = next(i for i, (label, _value) in enumerate(metrics) if label == "process RSS at the start") + 1
+        metrics.insert(after, ("process peaks hold", "both sides' models: the other side's was loaded in this process "
+                                                     "too (side by side)"))
     held = record.peaks.get("device_parts")  # (absent in records older than it)
     if held:  # beside the peak: the host tier's granule-rounded mappings may be most of it
         after = next(i for i, (label, _value) in enumerate(metrics) if label == "device memory peak") + 1

@@ -23,8 +23,9 @@ from engine.units import human_bytes
 # table with the summary columns alone; 2, with the columns of EXTRA besides, to compare runs in a spreadsheet; 3, with
 # the versions of NumPy, Numba, CuPy, CUDA and the GPU driver and the popularity file's SHA-256 besides (the numbers
 # depend on them); 4, with why a run on the CPU ran there where it asked for the CUDA GPU (device_fallback) besides; 5,
-# with the expert budget the plan set (budget_bytes) besides the one asked (budget)
-HISTORY_VERSION = 5
+# with the expert budget the plan set (budget_bytes) besides the one asked (budget); 6, with whether the process held
+# the other side's model too (other_side_loaded: side by side) besides
+HISTORY_VERSION = 6
 SUMMARY = ("id", "created", "scenario", "label", "model", "device", "budget", "load_s", "ttft_s",
            "decode_tokens_per_s", "completion_s", "peak_device_bytes", "peak_rss_bytes")
 
@@ -80,6 +81,8 @@ EXTRA = (
     ("projected_completion_s", "REAL", lambda r: (r.timings.get("projected") or {}).get("completion_s")),
     ("peak_process_device_bytes", "INTEGER", lambda r: r.peaks.get("process_device_bytes")),
     ("rss_start_bytes", "INTEGER", lambda r: r.peaks.get("rss_start_bytes")),
+    # side by side: the process's peaks hold the other side's model too (None: not a side's run, or an older record)
+    ("other_side_loaded", "INTEGER", lambda r: r.peaks.get("other_side_loaded")),
     ("pinned_bytes", "INTEGER", lambda r: r.peaks.get("pinned_bytes")),
     ("bytes_moved", "INTEGER", lambda r: r.bytes_moved),
     ("expert_hit_rate", "REAL", _hit_rate),

@@ -63,7 +63,8 @@ class RunRecord:
     # completion_s on the simulated card and the bandwidths assumed (engine/offload/projection.py)
     peaks: dict                           # device_bytes, process_device_bytes, rss_bytes, rss_start_bytes,
     # pinned_bytes; device_parts (on a device; absent in older records): what the device held at its peak, by part
-    # (scenarios.device_parts)
+    # (scenarios.device_parts); other_side_loaded (side by side's records; absent in others and in older records):
+    # the other side's model was loaded in this process too, so the process's RSS and VRAM peaks hold it
     # per expert node: hit rate, bytes copied, times; "swaps" (residents placement replaced as routing moved) and
     # "fills" (experts it copied into empty slots); a record written before "fills" existed counts them in "swaps"
     layers: list[dict] = field(default_factory=list)

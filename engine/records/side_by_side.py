@@ -193,6 +193,12 @@ def compare(left: Side, right: Side, prompt: str, params: GenerationParams, conc
             run(1, right)
     if errors:
         raise errors[0]
+    for record, side, other in zip(records, (left, right), (right, left)):
+        if record is not None:
+            # One process holds both sides' models (B is loaded beside A, which stays loaded), so its RSS and VRAM
+            # peaks hold the other side's too; said, not subtracted: the level before an answer holds this side's
+            # own model as well, the two may map the same model file's pages, and at once the other side is busy.
+            record.peaks["other_side_loaded"] = other.model is not None and other.model is not side.model
     answered = all(record is not None and record.turns for record in records)
     tokens = [record.turns[0]["tokens"] for record in records] if answered else None
     by_text = answered and not same_tokenizer(left.model, right.model)
