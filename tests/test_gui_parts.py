@@ -2450,6 +2450,97 @@ def test_a_cells_tooltip_follows_the_live_updates_while_it_shows(qtbot):
     qtbot.waitUntil(lambda: not QToolTip.isVisible(), timeout=2000)  # (Qt hides a tooltip after 300 ms)
 
 
+def qwen3_30b_like_stats(layers: int = 48, experts: int = 128) -> dict:
+    """Placement stats of a 48-layer, 128-expert model (Qwen3-30B-A3B's shape): in every layer experts 0, 1, 8, 9,
+    16, 17, ... resident, expert e routed e % 7 times, and hit or missed that many times as it is resident or cold."""
+    expert = np.arange(experts)
+    resident = np.broadcast_to(expert % 8 < 2, (layers, experts)).copy()
+    routed = (expert % 7).astype(np.int64)
+    return {"resident": resident, "traffic": np.broadcast_to(routed.astype(np.float32), (layers, experts)).copy(),
+            "valid": np.ones((layers, experts), bool), "placement": "adaptive",
+            "layer_names": [f"/model/layers.{i}/moe/QMoE" for i in range(layers)], "layer_index": list(range(layers)),
+            "bytes_per_expert": [1 << 20] * layers, "slots": [experts // 4] * layers,
+            "layers": [{"hits": int(routed[expert % 8 < 2].sum()), "misses": int(routed[expert % 8 >= 2].sum()),
+                        "swaps": 0, "expert_hits": np.where(expert % 8 < 2, routed, 0),
+                        "expert_misses": np.where(expert % 8 < 2, 0, routed)} for _ in range(layers)]}
+
+
+def test_a_dock_too_narrow_for_every_expert_puts_several_in_a_cell_and_says_so(qtbot):
+    """Cells were as wide as the width allowed, clamped to 1 pixel: in the narrowest dock a 128-expert model's were 2
+    pixels, too narrow to point at, and more experts than pixels ran past the widget, cut off unsaid. A cell now
+    holds as many experts as it takes for each to be 3 pixels wide or more: every expert of every layer is in exactly
+    one cell, the view says how many a cell holds, and a cell's tooltip names its experts. Wide enough, a cell is one
+    expert, as before."""
+    from PySide6.QtCore import QEvent, QPointF, Qt
+    from PySide6.QtGui import QMouseEvent
+    from PySide6.QtWidgets import QToolTip, QVBoxLayout, QWidget
+
+    from app.gui.placement_view import Heatmap, PlacementView
+
+    dock = QWidget()  # (a top-level view would keep a wider size)
+    qtbot.addWidget(dock)
+    view = PlacementView()
+    QVBoxLayout(dock).addWidget(view)
+    dock.resize(200, 400)  # as narrow as the view goes
+    dock.show()
+    qtbot.waitExposed(dock)
+    view.set_stats(qwen3_30b_like_stats())
+    heatmap = view.heatmap
+
+    def cells() -> list[list[tuple[int, int]]]:
+        """Each layer's cells, left to right, as the mouse finds them: (first expert, last expert)."""
+        rows, columns, cw, ch = heatmap._grid()
+        assert heatmap.LEFT + columns * cw <= heatmap.width() - heatmap.RIGHT  # the whole grid in the widget
+        found = [[heatmap.cell_at(heatmap.LEFT + c * cw + cw / 2, heatmap.TOP + r * ch + ch / 2)
+                  for c in range(columns)] for r in range(rows)]
+        assert all(cell[0] == r for r, row in enumerate(found) for cell in row)
+        return [[cell[1:] for cell in row] for row in found]
+
+    per = heatmap.experts_a_cell()
+    rows, columns, cw, ch = heatmap._grid()
+    assert heatmap.width() < 400 and per > 1 and cw >= Heatmap.MIN_CELL
+    found = cells()
+    assert len(found) == 48
+    for row in found:  # every expert in exactly one cell, in order
+        assert [e for first, last in row for e in range(first, last + 1)] == list(range(128))
+        assert all(last - first + 1 == per for first, last in row[:-1])
+    assert view.cells.text() == f"{per} experts a cell, shaded by the share on the device"
+    view.traffic.setChecked(True)
+    assert view.cells.text() == f"{per} experts a cell, coloured as its most routed"
+    view.residency.setChecked(True)
+
+    first, last = found[5][1]  # layer 5's second cell: experts per to 2 per - 1
+    assert (first, last) == (per, 2 * per - 1)
+    tooltip = heatmap.tooltip_at(5, first, last).splitlines()
+    on = [e for e in range(first, last + 1) if e % 8 < 2]
+    cold = [e for e in range(first, last + 1) if e % 8 >= 2]
+    words = "; ".join(words for words, group in (
+        ("resident on the device: " + ", ".join(map(str, on)), on),
+        ("cold (a miss runs on the CPU, or is copied into a spare slot): " + ", ".join(map(str, cold)), cold)) if group)
+    assert tooltip[0] == f"Layer 5, experts {first}-{last}: {words}"
+    hottest = max(range(first, last + 1), key=lambda e: (e % 7, -e))
+    assert tooltip[1].startswith(f"Recent routing, most in the cell, expert {hottest}: {hottest % 7:.2f} (")
+    assert tooltip[2] == "Expert size: 1.0 MiB each"
+    hits, misses = sum(e % 7 for e in on), sum(e % 7 for e in cold)
+    assert tooltip[3] == (f"These {per} experts: {hits} hit{'s' * (hits != 1)}, {misses} miss{'es' * (misses != 1)} "
+                          "(routed tokens, counted exactly)")
+    # the mouse over that cell shows that tooltip
+    where = QPointF(heatmap.LEFT + cw + cw / 2, heatmap.TOP + 5 * ch + ch / 2)
+    heatmap.mouseMoveEvent(QMouseEvent(QEvent.Type.MouseMove, where, heatmap.mapToGlobal(where),
+                                       Qt.MouseButton.NoButton, Qt.MouseButton.NoButton,
+                                       Qt.KeyboardModifier.NoModifier))
+    assert QToolTip.text().splitlines()[0] == tooltip[0]
+    QToolTip.hideText()
+
+    dock.resize(1200, 400)  # wide: one expert a cell, said nowhere
+    qtbot.waitUntil(lambda: heatmap.width() > 1000)
+    assert heatmap.experts_a_cell() == 1 and view.cells.text() == ""
+    assert cells() == [[(e, e) for e in range(128)]] * 48
+    assert heatmap.tooltip_at(5, 9).splitlines()[:4] == [
+        "Layer 5, expert 9: resident on the device", "Recent routing: 2.00 (decayed routing count, ~10 steps)",
+        "Expert size: 1.0 MiB", "This expert: 2 hits, 0 misses (routed tokens, counted exactly)"]
+
+
 def test_the_residency_legend_says_on_the_device_where_slots_are_left_to_copied_misses(qapp):
     """Where placement leaves slots to copied misses, the summary counts '0 resident experts' in a layer whose two
     blue cells are copied misses, and the legend called those cells 'resident'. It names them as the summary and the

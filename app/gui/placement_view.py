@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from PySide6.QtCore import QRectF, QSize, Qt
+from PySide6.QtCore import QRectF, QSize, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QImage, QPainter
 from PySide6.QtWidgets import (QButtonGroup, QHBoxLayout, QLabel, QRadioButton, QSizePolicy, QToolTip, QVBoxLayout,
                                QWidget)
@@ -46,11 +46,15 @@ def missed_now(data: dict, before: list[np.ndarray] | None) -> np.ndarray:
 
 class Heatmap(QWidget):
     """Cells drawn as one image built with numpy (a 48 × 128 grid is 6,144 cells: painting them one
-    by one in Python would take the engine's time, since the GIL is shared)."""
+    by one in Python would take the engine's time, since the GIL is shared). Where the experts are too many for
+    the width, a cell holds several (experts_a_cell): every expert stays in the picture."""
 
     LEFT = 34
     RIGHT = 46
     TOP = 14
+    MIN_CELL = 3  # pixels: the narrowest cell a mouse can point at (narrower, a cell holds several experts)
+
+    resized = Signal()  # experts_a_cell may have changed
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -79,32 +83,70 @@ class Heatmap(QWidget):
         self.mode = mode
         self.update()
 
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self.resized.emit()
+
+    def experts_a_cell(self) -> int:
+        """1, or as many experts as a cell must hold for every expert's cell to be MIN_CELL pixels wide or more (a
+        128-expert model in a 300-pixel-wide dock: 2)."""
+        cols = self.data["resident"].shape[1] if self.data else 0
+        fit = max(1, (self.width() - self.LEFT - self.RIGHT) // self.MIN_CELL)
+        return max(1, math.ceil(cols / fit))
+
     def _grid(self) -> tuple[int, int, int, int]:
+        """Rows (layers), columns (cells of experts_a_cell experts), and a cell's width and height in pixels."""
         rows, cols = self.data["resident"].shape
+        cells = math.ceil(cols / self.experts_a_cell())
         w = max(1, self.width() - self.LEFT - self.RIGHT)
         h = max(1, self.height() - self.TOP - 2)
-        return rows, cols, max(1, min(w // max(1, cols), 40)), max(1, min(h // max(1, rows), 28))
+        return rows, cells, max(1, min(w // max(1, cells), 40)), max(1, min(h // max(1, rows), 28))
 
-    def cell_at(self, x: float, y: float) -> tuple[int, int] | None:
+    def cell_at(self, x: float, y: float) -> tuple[int, int, int] | None:
+        """The cell under (x, y): its row and the first and last of its experts (the same one where a cell holds one);
+        None off the grid and on a layer's cells past its experts."""
         if not self.data or not self.data["resident"].size:
             return None
-        rows, cols, cw, ch = self._grid()
+        rows, cells, cw, ch = self._grid()
         if x < self.LEFT or y < self.TOP:
             return None
         col, row = int((x - self.LEFT) // cw), int((y - self.TOP) // ch)
-        if 0 <= row < rows and 0 <= col < cols and self.data["valid"][row, col]:
-            return row, col
-        return None
+        if not (0 <= row < rows and 0 <= col < cells):
+            return None
+        per = self.experts_a_cell()
+        experts = np.flatnonzero(self.data["valid"][row, col * per:(col + 1) * per]) + col * per
+        return (row, int(experts[0]), int(experts[-1])) if experts.size else None
+
+    def _per_cell(self, per: int) -> tuple[np.ndarray, ...]:
+        """The grid folded into cells of `per` experts, each [rows, cells]: the share of a cell's experts on the
+        device, its most routed expert's routing and whether that one is on the device, the most routing of its
+        experts missed now (-1 where none is), and whether it holds any expert. With one expert a cell: the experts'
+        own values."""
+        resident, traffic, valid = self.data["resident"], self.data["traffic"], self.data["valid"]
+        rows, cols = resident.shape
+        cells = math.ceil(cols / per)
+        pad = ((0, 0), (0, cells * per - cols))
+        fold = lambda a: np.pad(a, pad).reshape(rows, cells, per)  # noqa: E731
+        valid, resident, traffic, missed = fold(valid), fold(resident & valid), fold(traffic), fold(self.missed)
+        share = resident.sum(-1) / np.maximum(1, valid.sum(-1))
+        hottest = np.where(valid, traffic, -1.0).argmax(-1)[..., None]
+        routed = np.take_along_axis(traffic, hottest, -1)[..., 0]
+        routed_resident = np.take_along_axis(resident, hottest, -1)[..., 0]
+        missed_routing = np.where(missed & valid, traffic, -1.0).max(-1)
+        return share, routed, routed_resident, missed_routing, valid.any(-1)
 
     def _cells(self, t: theme.Theme, cw: int, ch: int) -> np.ndarray:
-        """RGB pixels of the grid: [rows * ch, cols * cw, 3]."""
-        resident, traffic, valid = self.data["resident"], self.data["traffic"], self.data["valid"]
+        """RGB pixels of the grid: [rows * ch, cells * cw, 3]. A cell of several experts is shaded by the share of
+        them on the device (residency) or coloured as its most routed expert (traffic)."""
+        peak = float(self.data["traffic"].max()) if self.data["traffic"].size else 0.0
+        share, traffic, resident, missed_routing, valid = self._per_cell(self.experts_a_cell())
         rgb = lambda name: np.array(QColor(name).getRgb()[:3], np.float32)  # noqa: E731
         cold, accent, miss, bg = rgb(t.cold), rgb(t.accent), rgb(t.miss), rgb(t.background)
-        peak = float(traffic.max()) if traffic.size else 0.0
-        heat = np.log1p(traffic) / np.log1p(peak) if peak > 0 else np.zeros_like(traffic)
+        heat_of = lambda routed: (np.log1p(np.maximum(routed, 0)) / np.log1p(peak)  # noqa: E731
+                                  if peak > 0 else np.zeros_like(routed))
+        heat = heat_of(traffic)
         if self.mode == "residency":
-            colour = np.where(resident[..., None], accent, cold)
+            colour = cold + (accent - cold) * share[..., None]
         else:
             base = bg if t.dark else cold
             target = np.where(resident[..., None] | bool(self.data.get("cpu_only")), accent, miss)
@@ -112,12 +154,12 @@ class Heatmap(QWidget):
             colour = base + (target - base) * mix
         colour = np.where(valid[..., None], colour, bg)
         pixels = np.repeat(np.repeat(colour, ch, axis=0), cw, axis=1)
-        rows, cols = resident.shape
+        rows, cols = valid.shape
         if self.mode == "residency":
             # a cold expert that routing hits now: a dot, bigger the more it is hit
-            missed = self.missed
+            missed = missed_routing >= 0
             if missed.any():
-                radius = np.maximum(1.0, np.minimum(cw, ch) * (0.15 + 0.25 * heat))
+                radius = np.maximum(1.0, np.minimum(cw, ch) * (0.15 + 0.25 * heat_of(missed_routing)))
                 yy = np.arange(ch, dtype=np.float32) - (ch - 1) / 2
                 xx = np.arange(cw, dtype=np.float32) - (cw - 1) / 2
                 dist = np.sqrt(yy[:, None] ** 2 + xx[None, :] ** 2)              # [ch, cw]
@@ -161,34 +203,52 @@ class Heatmap(QWidget):
                 painter.drawText(QRectF(self.LEFT + cols * cw + 4, y, self.RIGHT - 4, max(ch, 12)),
                                  Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter, f"{stats['hits'] / total:.0%}")
         painter.drawText(QRectF(0, 0, self.LEFT - 4, self.TOP), Qt.AlignmentFlag.AlignRight, "layer")
-        step = max(1, int(math.ceil(24 / cw)))
-        for c in range(0, cols, step):
-            painter.drawText(QRectF(self.LEFT + c * cw, 0, max(cw * step, 20), self.TOP), Qt.AlignmentFlag.AlignLeft, str(c))
+        step, per = max(1, int(math.ceil(24 / cw))), self.experts_a_cell()
+        for c in range(0, cols, step):  # a cell's first expert
+            painter.drawText(QRectF(self.LEFT + c * cw, 0, max(cw * step, 20), self.TOP), Qt.AlignmentFlag.AlignLeft,
+                             str(c * per))
         if not self.data.get("cpu_only"):  # the layers' hit rates (none without a device)
             painter.drawText(QRectF(self.LEFT + cols * cw + 4, 0, self.RIGHT, self.TOP), Qt.AlignmentFlag.AlignLeft,
                              "hits")
 
-    def tooltip_at(self, row: int, col: int) -> str:
+    def tooltip_at(self, row: int, first: int, last: int | None = None) -> str:
+        """What a cell says: its layer and expert (experts `first` to `last` where a cell holds several), where they
+        are, their routing and counts, then the layer's."""
         d = self.data
-        on = bool(d["resident"][row, col])
-        score = float(d["traffic"][row, col])
+        last = first if last is None else last
+        one = first == last
+        experts = list(range(first, last + 1))
         stats = d["layers"][row] if row < len(d["layers"]) else {}
         total = stats.get("hits", 0) + stats.get("misses", 0)
-        routing = ("Recent routing: {:.2f} (decayed routing count, ~10 steps)" if d.get("placement") == "adaptive"
-                   else "Routing: {:.2f} (routing count, not decayed)").format(score)
+        named = f"Layer {d['layer_index'][row]}, " + (f"expert {first}" if one else f"experts {first}-{last}")
+        scores = d["traffic"][row, first:last + 1]
+        most = "" if one else f", most in the cell, expert {first + int(scores.argmax())}"
+        routing = ("Recent routing{}: {:.2f} (decayed routing count, ~10 steps)" if d.get("placement") == "adaptive"
+                   else "Routing{}: {:.2f} (routing count, not decayed)").format(most, float(scores.max()))
+        size = f"Expert size: {human_bytes(d['bytes_per_expert'][row])}" + ("" if one else " each")
+        counts = "This expert" if one else f"These {len(experts)} experts"
+        counted_exactly = "expert_hits" in stats and last < len(stats["expert_hits"])
+        hits = int(stats["expert_hits"][first:last + 1].sum()) if counted_exactly else 0
+        misses = int(stats["expert_misses"][first:last + 1].sum()) if counted_exactly else 0
         if d.get("cpu_only"):
-            lines = [f"Layer {d['layer_index'][row]}, expert {col}: on the CPU, as every expert is",
-                     routing, f"Expert size: {human_bytes(d['bytes_per_expert'][row])}"]
-            if "expert_hits" in stats and col < len(stats["expert_hits"]):
-                routed = stats["expert_hits"][col] + stats["expert_misses"][col]
-                lines.append(f"This expert: {counted(routed, 'routed token')} (counted exactly)")
+            lines = [f"{named}: on the CPU, as every expert is", routing, size]
+            if counted_exactly:
+                lines.append(f"{counts}: {counted(hits + misses, 'routed token')} (counted exactly)")
             return "\n".join(lines + [d["layer_names"][row]])
-        lines = [f"Layer {d['layer_index'][row]}, expert {col}: " + (on_device_text(d, row) if on else cold_text(d)),
-                 routing + (" — missed recently" if self.missed[row, col] else ""),
-                 f"Expert size: {human_bytes(d['bytes_per_expert'][row])}"]
-        if "expert_hits" in stats and col < len(stats["expert_hits"]):
-            lines.append(f"This expert: {counted(stats['expert_hits'][col], 'hit')}, "
-                         f"{counted(stats['expert_misses'][col], 'miss', 'misses')} (routed tokens, counted exactly)")
+        on = [e for e in experts if d["resident"][row, e]]
+        cold = [e for e in experts if not d["resident"][row, e]]
+        missed = [e for e in experts if self.missed[row, e]]
+        if one:
+            where = on_device_text(d, row) if on else cold_text(d)
+            missed_words = " — missed recently" if missed else ""
+        else:  # which of them are where
+            where = "; ".join(f"{words}: {', '.join(map(str, group))}" for words, group in
+                              ((on_device_text(d, row), on), (cold_text(d), cold)) if group)
+            missed_words = f" — missed recently: {', '.join(map(str, missed))}" if missed else ""
+        lines = [f"{named}: {where}", routing + missed_words, size]
+        if counted_exactly:
+            lines.append(f"{counts}: {counted(hits, 'hit')}, {counted(misses, 'miss', 'misses')} "
+                         "(routed tokens, counted exactly)")
         if total:
             lines.append(f"Layer {d['layer_index'][row]}: {stats['hits']} hits, {stats['misses']} misses "
                          f"({stats['hits'] / total:.0%} hit rate), "
@@ -298,6 +358,17 @@ def legend_text(t: theme.Theme, mode: str, cpu_only: bool = False, copies: bool 
                 f"cold &nbsp; <span style='color:{t.miss}'>●</span> missed now")
     return (f"<span style='color:{t.accent}'>■</span> hits &nbsp; <span style='color:{t.miss}'>■</span> misses"
             " &nbsp; (stronger: more routing)")
+
+
+def cells_text(per: int, mode: str, cpu_only: bool = False) -> str:
+    """What a cell of the heatmap holds where it holds several experts (Heatmap.experts_a_cell) and how it is
+    coloured then (Heatmap._cells); '' where a cell is one expert."""
+    if per == 1:
+        return ""
+    if cpu_only and mode == "residency":  # every expert on the CPU: one colour
+        return f"{per} experts a cell"
+    return f"{per} experts a cell, " + ("shaded by the share on the device" if mode == "residency" else
+                                         "coloured as its most routed")
 
 
 def split_text(split: dict) -> str:
@@ -448,6 +519,11 @@ class PlacementView(QWidget):
         self.summary = QLabel("No model loaded.")
         self.summary.setWordWrap(True)
         self.legend = QLabel()
+        self.cells = QLabel()  # what a cell holds where the width gives one several experts (hidden otherwise)
+        self.cells.setWordWrap(True)
+        self.cells.setToolTip(f"Too narrow for a cell {Heatmap.MIN_CELL} pixels wide or more for every expert: a cell "
+                              "holds several, and its tooltip names them. A wider dock holds fewer a cell.")
+        self.heatmap.resized.connect(self._show_cells)
         self.legend.setToolTip("Misses (routed token-expert pairs whose expert is cold) run on the CPU, or are copied "
                                "into a spare device slot and computed there when the cost model says that is faster "
                                "(and in prefill waves), or, with a host tier, are read by the GPU from page-locked "
@@ -466,6 +542,7 @@ class PlacementView(QWidget):
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addLayout(top)
         layout.addWidget(self.summary)  # a row of its own: in a narrow window it wraps over the whole width
+        layout.addWidget(self.cells)
         layout.addWidget(self.heatmap, 1)
         self.updates = 0
         self.last_rate = 0.0
@@ -486,6 +563,12 @@ class PlacementView(QWidget):
         data = self.heatmap.data or {}
         self.legend.setText(legend_text(t, self.heatmap.mode, bool(data.get("cpu_only")),
                                         bool(sum(data.get("left_to_copies") or []))))
+        self._show_cells()
+
+    def _show_cells(self) -> None:
+        data = self.heatmap.data or {}
+        self.cells.setText(cells_text(self.heatmap.experts_a_cell(), self.heatmap.mode, bool(data.get("cpu_only"))))
+        self.cells.setVisible(bool(self.cells.text()))
 
     def clear(self) -> None:
         self.forget_rate()
