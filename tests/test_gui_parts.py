@@ -2541,6 +2541,39 @@ def test_a_dock_too_narrow_for_every_expert_puts_several_in_a_cell_and_says_so(q
         "Expert size: 1.0 MiB", "This expert: 2 hits, 0 misses (routed tokens, counted exactly)"]
 
 
+def test_a_dock_too_short_for_every_layer_scrolls_to_rows_the_mouse_can_point_at(qtbot):
+    """Rows were as high as the heatmap's height over the layer count, clamped to 1 pixel: a 48-layer model in a short
+    dock got 1-pixel rows no mouse can point at, and more layers than pixels ran past the widget, cut off unsaid. The
+    heatmap now asks for 3 pixels a row, the view scrolls to every layer and says so; tall enough, it does not."""
+    from PySide6.QtCore import QPoint
+    from PySide6.QtWidgets import QVBoxLayout, QWidget
+
+    from app.gui.placement_view import Heatmap, PlacementView
+
+    dock = QWidget()
+    qtbot.addWidget(dock)
+    view = PlacementView()
+    QVBoxLayout(dock).addWidget(view)
+    dock.resize(900, 150)
+    dock.show()
+    qtbot.waitExposed(dock)
+    view.set_stats(qwen3_30b_like_stats())
+    heatmap, bar = view.heatmap, view.scroll_area.verticalScrollBar()
+    qtbot.waitUntil(lambda: bar.maximum() > 0)
+    rows, columns, cw, ch = heatmap._grid()
+    assert rows == 48 and ch >= Heatmap.MIN_CELL and heatmap.TOP + rows * ch <= heatmap.height()
+    assert view.scroll_area.viewport().height() < heatmap.height()
+    assert view.cells.isVisibleTo(view) and view.cells.text() == "scroll for all 48 layers"
+    bar.setValue(bar.maximum())  # the last layer: in sight, and its row the mouse's
+    last = heatmap.mapTo(view.scroll_area.viewport(), QPoint(heatmap.LEFT + 1, heatmap.TOP + 47 * ch + ch // 2))
+    assert 0 <= last.y() < view.scroll_area.viewport().height()
+    assert heatmap.cell_at(heatmap.LEFT + 1, heatmap.TOP + 47 * ch + ch / 2) == (47, 0, 0)
+
+    dock.resize(900, 800)  # tall enough: every layer in sight, nothing to say
+    qtbot.waitUntil(lambda: bar.maximum() == 0)
+    assert not view.cells.isVisibleTo(view) and view.cells.text() == ""
+
+
 def test_the_residency_legend_says_on_the_device_where_slots_are_left_to_copied_misses(qapp):
     """Where placement leaves slots to copied misses, the summary counts '0 resident experts' in a layer whose two
     blue cells are copied misses, and the legend called those cells 'resident'. It names them as the summary and the

@@ -13,8 +13,8 @@ import numpy as np
 
 from PySide6.QtCore import QRectF, QSize, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QImage, QPainter
-from PySide6.QtWidgets import (QButtonGroup, QHBoxLayout, QLabel, QRadioButton, QSizePolicy, QToolTip, QVBoxLayout,
-                               QWidget)
+from PySide6.QtWidgets import (QButtonGroup, QFrame, QHBoxLayout, QLabel, QRadioButton, QScrollArea, QSizePolicy,
+                               QToolTip, QVBoxLayout, QWidget)
 
 from app.gui import theme
 from app.gui.estimate import slots_split
@@ -47,12 +47,14 @@ def missed_now(data: dict, before: list[np.ndarray] | None) -> np.ndarray:
 class Heatmap(QWidget):
     """Cells drawn as one image built with numpy (a 48 × 128 grid is 6,144 cells: painting them one
     by one in Python would take the engine's time, since the GIL is shared). Where the experts are too many for
-    the width, a cell holds several (experts_a_cell): every expert stays in the picture."""
+    the width, a cell holds several (experts_a_cell): every expert stays in the picture; where the layers are too
+    many for the height, the heatmap asks for the height that gives each row MIN_CELL pixels (the view scrolls)."""
 
     LEFT = 34
     RIGHT = 46
     TOP = 14
     MIN_CELL = 3  # pixels: the narrowest cell a mouse can point at (narrower, a cell holds several experts)
+    MIN_HEIGHT = 80
 
     resized = Signal()  # experts_a_cell may have changed
 
@@ -64,7 +66,7 @@ class Heatmap(QWidget):
         self._image = None
         self._hover = None  # where the mouse showed a cell's tooltip: (position here, on the screen)
         self.setMouseTracking(True)
-        self.setMinimumHeight(80)
+        self.setMinimumHeight(self.MIN_HEIGHT)
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Expanding)
         self.setAccessibleName("Expert placement heatmap")
 
@@ -75,6 +77,8 @@ class Heatmap(QWidget):
         before = [layer.get("expert_misses") for layer in self.data["layers"]] if self.data and data else None
         self.data = data
         self.missed = missed_now(data, before) if data else None
+        rows = data["resident"].shape[0] if data else 0
+        self.setMinimumHeight(max(self.MIN_HEIGHT, self.TOP + rows * self.MIN_CELL + 2))
         self.update()
         if self._hover is not None and QToolTip.isVisible():  # live while generating: said again with the new data
             self._show_tooltip(*self._hover)
@@ -519,11 +523,20 @@ class PlacementView(QWidget):
         self.summary = QLabel("No model loaded.")
         self.summary.setWordWrap(True)
         self.legend = QLabel()
-        self.cells = QLabel()  # what a cell holds where the width gives one several experts (hidden otherwise)
+        self.cells = QLabel()  # what the grid does where it is too narrow or too short (hidden otherwise)
         self.cells.setWordWrap(True)
         self.cells.setToolTip(f"Too narrow for a cell {Heatmap.MIN_CELL} pixels wide or more for every expert: a cell "
-                              "holds several, and its tooltip names them. A wider dock holds fewer a cell.")
+                              "holds several, and its tooltip names them. A wider dock holds fewer a cell. Too short "
+                              f"for a row {Heatmap.MIN_CELL} pixels high or more for every layer: the heatmap scrolls.")
         self.heatmap.resized.connect(self._show_cells)
+        self.scroll_area = QScrollArea()  # rows the mouse can point at, every layer reached by scrolling
+        self.scroll_area.setWidget(self.heatmap)
+        self.scroll_area.setWidgetResizable(True)
+        self.scroll_area.setFrameShape(QFrame.Shape.NoFrame)
+        # experts share cells instead (Heatmap.experts_a_cell)
+        self.scroll_area.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.scroll_area.setMinimumHeight(Heatmap.MIN_HEIGHT)
+        self.scroll_area.verticalScrollBar().rangeChanged.connect(lambda *_: self._show_cells())
         self.legend.setToolTip("Misses (routed token-expert pairs whose expert is cold) run on the CPU, or are copied "
                                "into a spare device slot and computed there when the cost model says that is faster "
                                "(and in prefill waves), or, with a host tier, are read by the GPU from page-locked "
@@ -543,7 +556,7 @@ class PlacementView(QWidget):
         layout.addLayout(top)
         layout.addWidget(self.summary)  # a row of its own: in a narrow window it wraps over the whole width
         layout.addWidget(self.cells)
-        layout.addWidget(self.heatmap, 1)
+        layout.addWidget(self.scroll_area, 1)
         self.updates = 0
         self.last_rate = 0.0
         self.split: dict = {}           # cumulative miss split of the loaded model (engine totals)
@@ -567,7 +580,10 @@ class PlacementView(QWidget):
 
     def _show_cells(self) -> None:
         data = self.heatmap.data or {}
-        self.cells.setText(cells_text(self.heatmap.experts_a_cell(), self.heatmap.mode, bool(data.get("cpu_only"))))
+        words = [cells_text(self.heatmap.experts_a_cell(), self.heatmap.mode, bool(data.get("cpu_only")))]
+        if data and self.scroll_area.verticalScrollBar().maximum() > 0:
+            words.append(f"scroll for all {data['resident'].shape[0]} layers")
+        self.cells.setText(" · ".join(word for word in words if word))
         self.cells.setVisible(bool(self.cells.text()))
 
     def clear(self) -> None:
