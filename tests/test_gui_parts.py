@@ -2592,9 +2592,11 @@ def test_the_residency_legend_says_on_the_device_where_slots_are_left_to_copied_
     assert view.summary.text().startswith("2 of 4 experts on the device, in 2 slots: 0 resident experts, 2 left for "
                                           "copied misses")
     assert re.sub("<[^>]+>", "", view.legend.text()).split(" &nbsp; ")[0] == "■ on the device"
+    # (it said "Resident (blue)" whatever the slots held, and the theme; and that routing "hits" a cold expert, where
+    # a hit is routing to a resident one: the dots are misses, as the legend says)
     assert view.residency.toolTip() == ("Experts on the device (resident, or in a slot left to copied misses: the "
-                                        "legend and the summary say which) or cold; dots: cold experts routing hits "
-                                        "now")  # (it said "Resident (blue)" whatever the slots held, and the theme)
+                                        "legend and the summary say which) or cold; dots: cold experts missed now "
+                                        "(routed to while cold)")
     update(0)
     assert view.summary.text().startswith("2 of 4 experts resident")
     assert re.sub("<[^>]+>", "", view.legend.text()).split(" &nbsp; ")[0] == "■ resident"

@@ -1,5 +1,5 @@
 """The placement view: a layers × experts heatmap of the loaded model, updated live while it
-generates. Residency shows which experts sit on the device (and which cold ones routing hits now);
+generates. Residency shows which experts sit on the device (and which cold ones are missed now);
 traffic shows how much routing each expert gets, blue where it is a hit, red where it is a miss.
 A tooltip names every cell. The summary line says where the misses ran (on the CPU, or copied
 into a spare device slot by the decode miss policy), in total and in the last step, and how full
@@ -22,12 +22,12 @@ from engine.offload.decode_path import BOTH, PATH_WORDS, TIER, measured_words
 from engine.offload.split_share import SHARE_WORDS, SHIFT_WORDS
 from engine.units import counted, human_bytes, layer_words
 
-RECENT_MISS = 0.5    # a cold expert whose decayed routing count (x0.9 a step) is this high was hit in the last few steps
+RECENT_MISS = 0.5    # a cold expert whose decayed routing count (x0.9 a step) is this high was routed to lately
 
 
 def missed_now(data: dict, before: list[np.ndarray] | None) -> np.ndarray:
-    """The cold experts routing hits now. Adaptive placement's decayed count says it (RECENT_MISS); static
-    placement's never decays, so there it is a miss the engine counted since the update before (`before`: its
+    """The cold experts missed now (routed to while cold). Adaptive placement's decayed count says it (RECENT_MISS);
+    static placement's never decays, so there it is a miss the engine counted since the update before (`before`: its
     expert_misses per layer; counts lower than those started again). None on a CPU-only load: nothing is missed."""
     if data.get("cpu_only"):
         return np.zeros_like(data["resident"])
@@ -160,7 +160,7 @@ class Heatmap(QWidget):
         pixels = np.repeat(np.repeat(colour, ch, axis=0), cw, axis=1)
         rows, cols = valid.shape
         if self.mode == "residency":
-            # a cold expert that routing hits now: a dot, bigger the more it is hit
+            # a cold expert missed now: a dot, bigger the more it is routed to
             missed = missed_routing >= 0
             if missed.any():
                 radius = np.maximum(1.0, np.minimum(cw, ch) * (0.15 + 0.25 * heat_of(missed_routing)))
@@ -514,7 +514,8 @@ class PlacementView(QWidget):
         self.traffic = QRadioButton("Traffic")
         self.residency.setChecked(True)
         self.residency.setToolTip("Experts on the device (resident, or in a slot left to copied misses: the legend "
-                                  "and the summary say which) or cold; dots: cold experts routing hits now")
+                                  "and the summary say which) or cold; dots: cold experts missed now (routed "
+                                  "to while cold)")
         self.traffic.setToolTip("How much routing each expert gets: blue = hits on resident experts, red = misses")
         group = QButtonGroup(self)
         group.addButton(self.residency)
