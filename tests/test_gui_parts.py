@@ -2574,6 +2574,26 @@ def test_a_dock_too_short_for_every_layer_scrolls_to_rows_the_mouse_can_point_at
     assert not view.cells.isVisibleTo(view) and view.cells.text() == ""
 
 
+def test_no_expert_number_in_the_heatmaps_header_runs_past_the_grid_into_the_hits_heading(qapp):
+    """The header numbered every few cells in a box wider than the cells it labels: at 4 pixels a cell a 128-expert
+    grid's last number, 126, ran past the grid's edge into the layers' hit-rate heading, '126hits', which read as a
+    count of hits. A number that would pass the grid's edge is left out."""
+    from PySide6.QtGui import QFontMetricsF
+
+    from app.gui.placement_view import Heatmap
+
+    heatmap = Heatmap()
+    heatmap.resize(Heatmap.LEFT + Heatmap.RIGHT + 4 * 128 + 3, 200)
+    stats = qwen3_30b_like_stats(layers=1)
+    heatmap.set_data(stats)
+    rows, cells, cw, ch = heatmap._grid()
+    assert (cells, cw) == (128, 4)
+    metrics = QFontMetricsF(heatmap.label_font())
+    labels = heatmap.column_labels(metrics)
+    assert [number for _, number in labels] == [str(6 * i) for i in range(21)]  # 0, 6, ..., 120: not 126
+    assert all(x + metrics.horizontalAdvance(number) <= heatmap.LEFT + cells * cw for x, number in labels)
+
+
 def test_the_residency_legend_says_on_the_device_where_slots_are_left_to_copied_misses(qapp):
     """Where placement leaves slots to copied misses, the summary counts '0 resident experts' in a layer whose two
     blue cells are copied misses, and the legend called those cells 'resident'. It names them as the summary and the

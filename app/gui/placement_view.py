@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from PySide6.QtCore import QRectF, QSize, Qt, Signal
-from PySide6.QtGui import QColor, QFont, QImage, QPainter
+from PySide6.QtGui import QColor, QFont, QFontMetricsF, QImage, QPainter
 from PySide6.QtWidgets import (QButtonGroup, QFrame, QHBoxLayout, QLabel, QRadioButton, QScrollArea, QSizePolicy,
                                QToolTip, QVBoxLayout, QWidget)
 
@@ -191,8 +191,7 @@ class Heatmap(QWidget):
         image.setDevicePixelRatio(dpr)
         self._image = (pixels, image)
         painter.drawImage(self.LEFT, self.TOP, image)
-        font = QFont(self.font())
-        font.setPointSizeF(max(6.5, min(8.5, ch * 0.6)))
+        font = self.label_font()
         painter.setFont(font)
         painter.setPen(QColor(t.muted))
         every = max(1, int(math.ceil(12 / ch)))  # a label every few rows when rows are thin
@@ -207,13 +206,25 @@ class Heatmap(QWidget):
                 painter.drawText(QRectF(self.LEFT + cols * cw + 4, y, self.RIGHT - 4, max(ch, 12)),
                                  Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter, f"{stats['hits'] / total:.0%}")
         painter.drawText(QRectF(0, 0, self.LEFT - 4, self.TOP), Qt.AlignmentFlag.AlignRight, "layer")
-        step, per = max(1, int(math.ceil(24 / cw))), self.experts_a_cell()
-        for c in range(0, cols, step):  # a cell's first expert
-            painter.drawText(QRectF(self.LEFT + c * cw, 0, max(cw * step, 20), self.TOP), Qt.AlignmentFlag.AlignLeft,
-                             str(c * per))
+        for x, number in self.column_labels(QFontMetricsF(font)):
+            painter.drawText(QRectF(x, 0, self.LEFT + cols * cw - x, self.TOP), Qt.AlignmentFlag.AlignLeft, number)
         if not self.data.get("cpu_only"):  # the layers' hit rates (none without a device)
             painter.drawText(QRectF(self.LEFT + cols * cw + 4, 0, self.RIGHT, self.TOP), Qt.AlignmentFlag.AlignLeft,
                              "hits")
+
+    def label_font(self) -> QFont:
+        """The layer and expert numbers' font: smaller with thinner rows."""
+        font = QFont(self.font())
+        font.setPointSizeF(max(6.5, min(8.5, self._grid()[3] * 0.6)))
+        return font
+
+    def column_labels(self, metrics: QFontMetricsF) -> list[tuple[float, str]]:
+        """The header's expert numbers, every few cells: (left edge, the cell's first expert). None runs past the
+        grid's right edge, where it would run into the layers' "hits" heading ('126hits' read as a count)."""
+        _, cells, cw, _ = self._grid()
+        step, per = max(1, int(math.ceil(24 / cw))), self.experts_a_cell()
+        return [(self.LEFT + c * cw, str(c * per)) for c in range(0, cells, step)
+                if c * cw + metrics.horizontalAdvance(str(c * per)) <= cells * cw]
 
     def tooltip_at(self, row: int, first: int, last: int | None = None) -> str:
         """What a cell says: its layer and expert (experts `first` to `last` where a cell holds several), where they
