@@ -2594,6 +2594,29 @@ def test_no_expert_number_in_the_heatmaps_header_runs_past_the_grid_into_the_hit
     assert all(x + metrics.horizontalAdvance(number) <= heatmap.LEFT + cells * cw for x, number in labels)
 
 
+def test_traffics_colours_say_where_an_expert_is_now_not_that_its_routing_hit(qapp):
+    """Traffic's legend read '■ hits ■ misses' and its button 'blue = hits on resident experts', but a cell's colour
+    is where its expert is now and its strength the routing counted before: an expert placement had just copied in
+    showed in blue, as hits, the routing it had missed (its tooltip: 'This expert: 0 hits, 5 misses'). Both say it."""
+    from app.gui.placement_view import PlacementView
+
+    view = PlacementView()
+    view.set_stats({"resident": np.array([[True, False]]), "traffic": np.array([[5.0, 1.0]], np.float32),
+                    "valid": np.ones((1, 2), bool), "placement": "adaptive", "layer_names": ["a/QMoE"],
+                    "layer_index": [0], "bytes_per_expert": [1024],
+                    "layers": [{"hits": 0, "misses": 6, "swaps": 1, "expert_hits": np.array([0, 0]),
+                                "expert_misses": np.array([5, 1])}]})
+    view.traffic.setChecked(True)
+    assert re.sub("<[^>]+>", "", view.legend.text()).split(" &nbsp; ") == [
+        "■ on the device now: hits", "■ cold now: misses", "(stronger: more routing)"]
+    assert view.heatmap.tooltip_at(0, 0).splitlines()[3] == ("This expert: 0 hits, 5 misses (routed tokens, counted "
+                                                             "exactly)")
+    assert view.traffic.toolTip() == ("How much routing each expert gets (stronger: more), coloured by where it is "
+                                      "now: blue on the device, where routing to it hits, red cold, where it misses. "
+                                      "An expert placed lately shows in blue the routing it missed before: its "
+                                      "tooltip counts both.")
+
+
 def test_the_residency_legend_says_on_the_device_where_slots_are_left_to_copied_misses(qapp):
     """Where placement leaves slots to copied misses, the summary counts '0 resident experts' in a layer whose two
     blue cells are copied misses, and the legend called those cells 'resident'. It names them as the summary and the

@@ -1,9 +1,9 @@
 """The placement view: a layers × experts heatmap of the loaded model, updated live while it
 generates. Residency shows which experts sit on the device (and which cold ones are missed now);
-traffic shows how much routing each expert gets, blue where it is a hit, red where it is a miss.
-A tooltip names every cell. The summary line says where the misses ran (on the CPU, or copied
-into a spare device slot by the decode miss policy), in total and in the last step, and how full
-the pinned staging ring got."""
+traffic shows how much routing each expert gets, blue where it is on the device now (routing to it
+hits), red where it is cold (routing to it misses). A tooltip names every cell. The summary line
+says where the misses ran (on the CPU, or copied into a spare device slot by the decode miss policy),
+in total and in the last step, and how full the pinned staging ring got."""
 
 from __future__ import annotations
 
@@ -371,8 +371,9 @@ def legend_text(t: theme.Theme, mode: str, cpu_only: bool = False, copies: bool 
         return (f"<span style='color:{t.accent}'>■</span> {'on the device' if copies else 'resident'} &nbsp; "
                 f"<span style='color:{t.cold}'>■</span> "
                 f"cold &nbsp; <span style='color:{t.miss}'>●</span> missed now")
-    return (f"<span style='color:{t.accent}'>■</span> hits &nbsp; <span style='color:{t.miss}'>■</span> misses"
-            " &nbsp; (stronger: more routing)")
+    # the colour is where the expert is now; the routing it shows may be from before placement moved it
+    return (f"<span style='color:{t.accent}'>■</span> on the device now: hits &nbsp; "
+            f"<span style='color:{t.miss}'>■</span> cold now: misses &nbsp; (stronger: more routing)")
 
 
 def cells_text(per: int, mode: str, cpu_only: bool = False) -> str:
@@ -527,7 +528,9 @@ class PlacementView(QWidget):
         self.residency.setToolTip("Experts on the device (resident, or in a slot left to copied misses: the legend "
                                   "and the summary say which) or cold; dots: cold experts missed now (routed "
                                   "to while cold)")
-        self.traffic.setToolTip("How much routing each expert gets: blue = hits on resident experts, red = misses")
+        self.traffic.setToolTip("How much routing each expert gets (stronger: more), coloured by where it is now: blue "
+                                "on the device, where routing to it hits, red cold, where it misses. An expert placed "
+                                "lately shows in blue the routing it missed before: its tooltip counts both.")
         group = QButtonGroup(self)
         group.addButton(self.residency)
         group.addButton(self.traffic)
