@@ -2,8 +2,8 @@
 generates. Residency shows which experts sit on the device (and which cold ones are missed now);
 traffic shows how much routing each expert gets, blue where it is on the device now (routing to it
 hits), red where it is cold (routing to it misses). A tooltip names every cell. The summary line
-says where the misses ran (on the CPU, or copied into a spare device slot by the decode miss policy),
-in total and in the last step, and how full the pinned staging ring got."""
+says where the misses ran (on the CPU, copied into a spare device slot, or, with a host tier, read by
+the GPU from host memory), in total and in the last step, and how full the pinned staging ring got."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ RECENT_MISS = 0.5    # a cold expert whose decayed routing count (x0.9 a step) i
 def missed_now(data: dict, before: list[np.ndarray] | None) -> np.ndarray:
     """The cold experts missed now (routed to while cold). Adaptive placement's decayed count says it (RECENT_MISS);
     static placement's never decays, so there it is a miss the engine counted since the update before (`before`: its
-    expert_misses per layer; counts lower than those started again). None on a CPU-only load: nothing is missed."""
+    expert_misses per layer; counts lower than those started again). On a CPU-only load, none: nothing is missed."""
     if data.get("cpu_only"):
         return np.zeros_like(data["resident"])
     cold = data["valid"] & ~data["resident"]
