@@ -149,8 +149,8 @@ def test_a_history_file_keeps_its_own_schema_version(tmp_path, greedy):
 
     history = History(tmp_path / "h.sqlite3")
     history.add(greedy)
-    assert HISTORY_VERSION == 6 and user_version(history.path) == 6
-    assert History(history.path).get(1) == greedy and user_version(history.path) == 6
+    assert HISTORY_VERSION == 5 and user_version(history.path) == 5
+    assert History(history.path).get(1) == greedy and user_version(history.path) == 5
 
 
 def test_an_older_history_is_brought_forward_with_every_run(tmp_path, greedy):
@@ -159,7 +159,7 @@ def test_an_older_history_is_brought_forward_with_every_run(tmp_path, greedy):
     path = legacy_history(tmp_path / "old.sqlite3", [json.dumps(older(greedy).to_dict()), '{"schema_version": 2'])
     assert user_version(path) == 0
     history = History(path, create=False)
-    assert user_version(path) == 6
+    assert user_version(path) == 5
     rows = history.rows()
     assert [(row["id"], row["label"]) for row in rows] == [(2, "old 1"), (1, "old 0")]  # every run, damaged one too
     assert rows[1]["generated_tokens"] == 3 and rows[1]["turns"] == 1 and rows[1]["max_new_tokens"] is None
@@ -180,14 +180,14 @@ def test_a_newer_history_or_another_programs_database_is_refused_in_one_line_and
 
     newer = legacy_history(tmp_path / "newer.sqlite3", [])
     with sqlite3.connect(newer) as db:
-        db.execute("PRAGMA user_version = 7")
+        db.execute("PRAGMA user_version = 6")
     before = newer.read_bytes()
-    with pytest.raises(WorkbenchError, match=r"newer.sqlite3: a run history of version 7, newer than this app reads "
-                                             r"\(6\): open it with a newer moe-workbench, or name another file$"):
+    with pytest.raises(WorkbenchError, match=r"newer.sqlite3: a run history of version 6, newer than this app reads "
+                                             r"\(5\): open it with a newer moe-workbench, or name another file$"):
         History(newer)
     assert main(["history", "--history", str(newer)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"moe-workbench: error: {newer}: a run history of version 7")
+    assert err.count("\n") == 1 and err.startswith(f"moe-workbench: error: {newer}: a run history of version 6")
     assert newer.read_bytes() == before
 
     other = tmp_path / "notes.db"
@@ -274,7 +274,7 @@ def test_a_version_2_history_is_brought_forward_with_the_versions_filled_from_it
             db.execute(f"ALTER TABLE runs DROP COLUMN {column}")
         db.execute("PRAGMA user_version = 2")
     row = History(path, create=False).rows()[0]
-    assert user_version(path) == 6
+    assert user_version(path) == 5
     assert (row["numba_version"], row["cuda_runtime_version"], row["gpu_driver"]) == ("0.61.2", "12.8", None)
 
 
@@ -430,7 +430,7 @@ def test_an_older_history_that_cannot_be_written_says_so_not_that_it_is_no_histo
 
     path = legacy_history(tmp_path / "old.sqlite3", [json.dumps(greedy.to_dict())])
     monkeypatch.setattr(History, "_connect", lambda self: sqlite3.connect(f"file:{self.path}?mode=ro", uri=True))
-    with pytest.raises(WorkbenchError, match=r"old.sqlite3: not brought forward to version 6, which it needs to be "
+    with pytest.raises(WorkbenchError, match=r"old.sqlite3: not brought forward to version 5, which it needs to be "
                                              r"read \(attempt to write a readonly database\)$"):
         History(path, create=False)
     monkeypatch.undo()
@@ -997,7 +997,7 @@ def test_a_version_3_history_is_brought_forward_with_why_its_runs_ran_on_the_cpu
         db.execute("ALTER TABLE runs DROP COLUMN device_fallback")
         db.execute("PRAGMA user_version = 3")
     assert History(path, create=False).rows()[0]["device_fallback"] == CUDA_UNUSABLE
-    assert user_version(path) == 6
+    assert user_version(path) == 5
 
 
 def test_a_version_4_history_is_brought_forward_with_the_budgets_its_runs_had(tmp_path, greedy):
@@ -1013,7 +1013,7 @@ def test_a_version_4_history_is_brought_forward_with_the_budgets_its_runs_had(tm
         db.execute("ALTER TABLE runs DROP COLUMN budget_bytes")
         db.execute("PRAGMA user_version = 4")
     row = History(path, create=False).rows()[0]
-    assert user_version(path) == 6
+    assert user_version(path) == 5
     assert row["budget_bytes"] == 150000 and budget_text(row) == "146.5 KiB (asked 195.3 KiB)"
 
 

@@ -23,9 +23,9 @@ from engine.units import human_bytes
 # table with the summary columns alone; 2, with the columns of EXTRA besides, to compare runs in a spreadsheet; 3, with
 # the versions of NumPy, Numba, CuPy, CUDA and the GPU driver and the popularity file's SHA-256 besides (the numbers
 # depend on them); 4, with why a run on the CPU ran there where it asked for the CUDA GPU (device_fallback) besides; 5,
-# with the expert budget the plan set (budget_bytes) besides the one asked (budget); 6, with whether the process held
-# the other side's model too (other_side_loaded: side by side) besides
-HISTORY_VERSION = 6
+# with the expert budget the plan set (budget_bytes) besides the one asked (budget), and whether the process held the
+# other side's model too (other_side_loaded: side by side)
+HISTORY_VERSION = 5
 SUMMARY = ("id", "created", "scenario", "label", "model", "device", "budget", "load_s", "ttft_s",
            "decode_tokens_per_s", "completion_s", "peak_device_bytes", "peak_rss_bytes")
 
