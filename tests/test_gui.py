@@ -2881,6 +2881,60 @@ def test_stop_while_the_cuda_gpu_opens_keeps_the_loaded_model(qtbot, window, mon
     assert [m["role"] for m in window.worker._conversation.messages] == ["user", "assistant"]
 
 
+def test_a_stopped_load_goes_into_no_costly_phase_after_the_stop(qtbot, window, monkeypatch):
+    """A load stopped before it began still opened and inspected the model folder, and one stopped while the folder
+    opened went on to open the CUDA GPU (a first compile of its kernels: 1-2 minutes NVRTC cannot interrupt), or, the
+    loaded model dropped, the device: the stop was checked after them. The load now checks it before each phase and
+    ends with its "stopped" line. Stand-ins for the CUDA GPU and for the folder's reading, which record their calls."""
+    from app.gui import engine_worker
+    from engine.offload import SimulatedDevice
+
+    worker, opened, devices = window.worker, [], []
+    load(qtbot, window, fixture_folder("gptoss"), simulated())
+    open_folder, make_device = worker._open_folder, worker._make_device
+
+    def opening(path):
+        opened.append(Path(path).name)
+        return open_folder(path)
+
+    def cuda_device_or_cpu(mem_limit, mode, report):
+        devices.append("cuda")
+        return SimulatedDevice(8 << 30, mem_limit=mem_limit, name="stand-in CUDA GPU"), ""
+
+    monkeypatch.setattr(worker, "_open_folder", opening)
+    monkeypatch.setattr(engine_worker, "cuda_device_or_cpu", cuda_device_or_cpu)
+    monkeypatch.setattr(worker, "_make_device", lambda *args: devices.append(args[0]["kind"]) or make_device(*args))
+    other = fixture_folder("lfm2moe")
+    on_gpu = {"device": {"kind": "cuda"}}
+
+    def stopped_load(settings, held: bool = False) -> str:
+        gate = threading.Event()
+        if held:  # (the load waits behind what the worker runs)
+            QTimer.singleShot(0, worker, lambda: gate.wait(30))
+        window._start_load(str(other), settings)  # (as Load, whichever folder the window shows)
+        if held:
+            window.stop_action.trigger()
+            gate.set()
+        qtbot.waitUntil(lambda: not (window.busy or window._waiting) and window.error_banner.isVisible(),
+                        timeout=WAIT)
+        return window.last_error
+
+    # stopped while it waits in the worker's queue: no folder read, no GPU opened
+    assert stopped_load(on_gpu, held=True) == "Loading stopped; gptoss stays loaded."
+    assert opened == [] and devices == [] and window.status_state.text() == "Stopped the load."
+    # stopped while the folder opens: the CUDA GPU is not opened
+    monkeypatch.setattr(worker, "_open_folder", lambda path: (opening(path), worker.cancel.set())[0])
+    assert stopped_load(on_gpu) == "Loading stopped; gptoss stays loaded."
+    assert opened == ["lfm2moe"] and devices == [] and same(window.loaded_path, fixture_folder("gptoss"))
+    # stopped as the loaded model goes, on a device made after it (a CUDA GPU the loaded model was on): none is made
+    monkeypatch.setattr(worker, "_open_folder", opening)
+    drop = worker._drop_model
+    monkeypatch.setattr(worker, "_drop_model", lambda: (drop(), worker.cancel.set()))
+    assert stopped_load(simulated()) == ("Loading stopped; gptoss was unloaded first, to free its memory, and is no "
+                                         "longer loaded.")
+    assert opened == ["lfm2moe", "lfm2moe"] and devices == [] and window.loaded_path is None
+
+
 def test_unload_while_a_load_opens_the_gpu_says_the_loaded_model_goes(qtbot, window, monkeypatch):
     """Unload pressed while a load opened the GPU (before the loaded model goes) stops the load, and the queued Unload
     then unloaded the model the window's banner had just said "stays loaded". The banner now says it is unloaded."""

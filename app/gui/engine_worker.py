@@ -182,6 +182,7 @@ class EngineWorker(QObject):
         unloaded = None  # once this load has dropped the model loaded before: its name ('' where none was)
         mode = None  # the offload mode this load runs under, once read (its failure's advice follows it)
         try:
+            self._stop_point()  # (stopped while it waited in the queue: the folder is not read)
             # the folder read again before the loaded model goes: one that cannot be opened now (broken since it was
             # inspected) is refused with the loaded model and its conversation kept
             previous = self._facts.path if self._facts else None
@@ -197,20 +198,22 @@ class EngineWorker(QObject):
             # Where the loaded model is on the GPU, its memory must be freed first: a failure then says it went.
             opened_first = (settings.get("device", {}).get("kind") == "cuda"
                             and getattr(self._device, "kind", None) != "cuda")
-            device = self._make_device(settings.get("device", {}), config, notes) if opened_first else None
-            if self.cancel.is_set():  # Stop while the folder or the GPU opened: the loaded model stays
-                raise LoadCancelled("loading stopped")
+            device = None
+            if opened_first:
+                self._stop_point()  # (stopped while the folder opened: the GPU kernels' first compile is not begun)
+                device = self._make_device(settings.get("device", {}), config, notes)
+            self._stop_point()  # Stop while the folder or the GPU opened: the loaded model stays
             unloaded = self._loaded_facts.name if self._model is not None else ""
             self._drop_model()
             if unloaded:
                 self.dropped.emit()
             if not opened_first:
+                self._stop_point()  # (a CUDA GPU opened again measures its copies, and may compile its kernels)
                 device = self._make_device(settings.get("device", {}), config, notes)
             self._device_choice = dict(settings.get("device", {}))
 
-            def progress(fraction: float) -> None:
-                if self.cancel.is_set():
-                    raise LoadCancelled("loading stopped")
+            def progress(fraction: float) -> None:  # (the plan follows the expert runners' last report)
+                self._stop_point()
                 self.loadProgress.emit(fraction)
 
             started = time.perf_counter() - self._folder_open_s
@@ -257,6 +260,12 @@ class EngineWorker(QObject):
         finally:
             self._folder = None
             self.busyChanged.emit("")
+
+    def _stop_point(self) -> None:
+        """Where a load ends if Stop was asked: before each of its costly phases (the folder opened and inspected, the
+        GPU opened and its kernels compiled, the expert runners built and planned) and at each progress report."""
+        if self.cancel.is_set():
+            raise LoadCancelled("loading stopped")
 
     def _landed(self) -> list[str]:
         """Plain sentences: where every part of the loaded model is, and why (first, while it runs every expert on the
