@@ -2965,6 +2965,27 @@ def test_unload_while_a_load_opens_the_gpu_says_the_loaded_model_goes(qtbot, win
     assert window.loaded_path is None and window.worker._model is None
 
 
+def test_unload_while_a_load_waits_in_the_queue_stops_it_before_it_reads_the_folder(qtbot, window, monkeypatch):
+    """Unload pressed while a load waited behind what the worker ran let that load run in full (the folder read, the
+    loaded model dropped, the new one built), and the Unload queued behind it then dropped the model it made. Unload
+    now stops the queued load, which says so, before it reads the folder: no model is left loaded."""
+    load(qtbot, window, fixture_folder("gptoss"))
+    opened, open_folder = [], window.worker._open_folder
+    monkeypatch.setattr(window.worker, "_open_folder", lambda path: opened.append(path) or open_folder(path))
+    gate = threading.Event()
+    QTimer.singleShot(0, window.worker, lambda: gate.wait(30))  # (the load waits behind what the worker runs)
+    window._start_load(str(fixture_folder("lfm2moe")), {})
+    assert window.unload_action.isEnabled()
+    window.unload_action.trigger()
+    assert window.status_state.text() == "Stopping the load…"
+    gate.set()
+    qtbot.waitUntil(lambda: not (window.worker.unload_asked or window.busy or window._waiting)
+                    and window.loaded_path is None, timeout=WAIT)
+    assert window.last_error == "Loading stopped; gptoss is unloaded, as asked." and window.error_banner.isVisible()
+    assert opened == [] and window.worker._model is None and window.model_panel.landed.text() == "Not loaded."
+    assert window.facts.name == "gptoss" and window.windowTitle() == "gptoss — MoE Workbench"
+
+
 def test_a_load_of_a_folder_broken_since_it_was_opened_keeps_the_loaded_model_and_its_conversation(qtbot, window,
                                                                                                       copy_fixture):
     """The worker dropped the loaded model, and the window had its conversation started again, before it read the

@@ -674,10 +674,14 @@ class MainWindow(QMainWindow):
         self.error_banner.hide()
         self._stop_chat_request()
         self.worker.unload_asked = True
+        queued = self._waiting == "loading"  # stopped too: it ran in full, then the Unload queued behind it undid it
+        if queued:
+            self._stop_queued_load()
         self.worker.cancel.set()
         self.worker.requestUnload.emit()
-        if self.busy in ("loading", "comparing"):  # stopped first, as Stop stops them: a load, or side by side's of B,
-            self._stopping = STOPPABLE[self.busy]  # may have the GPU kernels' first compile to wait on
+        stopping = "loading" if queued else self.busy
+        if stopping in ("loading", "comparing"):  # stopped first, as Stop stops them: a load, or side by side's of B,
+            self._stopping = STOPPABLE[stopping]  # may have the GPU kernels' first compile to wait on
             self._say_stopping()
 
     def _stop_chat_request(self) -> bool:
@@ -700,14 +704,20 @@ class MainWindow(QMainWindow):
             elif self._waiting in STOPPABLE:  # queued, not started: cancelled as it starts
                 what = STOPPABLE[self._waiting]
                 self._cancel_when_started = self._waiting
-                if self._waiting == "loading":  # stopped now, not once the window hears it began: the worker may have
-                    # begun it and be about to drop the loaded model, which a load stopped before that keeps
-                    self.worker.stopped_load = self._loads
-                    self.worker.cancel.set()
+                if self._waiting == "loading":
+                    self._stop_queued_load()
             else:
                 return
         self._stopping = what
         self._say_stopping()
+
+    def _stop_queued_load(self) -> None:
+        """Stop the load the window has not seen begin now, not once it hears it began: the worker may have begun it
+        and be about to drop the loaded model, which a load stopped before that keeps; one still queued reads no
+        folder (EngineWorker.stopped_load)."""
+        self._cancel_when_started = "loading"
+        self.worker.stopped_load = self._loads
+        self.worker.cancel.set()
 
     @Slot()
     def _say_stopping(self) -> None:
