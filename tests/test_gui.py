@@ -24,7 +24,7 @@ from PySide6.QtWidgets import QLabel  # noqa: E402
 from app.gui.collector import due_generation  # noqa: E402
 from app.gui.contention import CALM_SAMPLES  # noqa: E402
 from app.gui.engine_worker import threads_sentence  # noqa: E402
-from app.gui.main_window import MainWindow  # noqa: E402
+from app.gui.main_window import STOPPABLE, MainWindow  # noqa: E402
 from app.gui.placement_view import copies_text, threads_text  # noqa: E402
 from app.gui.widgets import MAX_ANSWER_TOKENS  # noqa: E402
 from engine.offload.config import OffloadConfig  # noqa: E402
@@ -1719,6 +1719,39 @@ def test_a_load_stopped_before_the_window_hears_it_began_keeps_the_loaded_model(
     assert same(window.loaded_path, fixture_folder("lfm2moe")) and window.status_state.text() == "Stopped the load."
 
 
+def test_a_records_job_stopped_while_it_waits_in_the_queue_is_not_run(qtbot, window):
+    """A records job sent to the worker behind what it ran, stopped (its view's Cancel, or Esc) before it began, was
+    stopped only once the window heard it begin: it began all the same (Record's first answer, a sweep's first
+    re-plan), the view saying "Cancelling…" until then. The worker now drops it from its queue, and the view and the
+    status bar say it was stopped while queued."""
+    load(qtbot, window, fixture_folder("lfm2moe"))
+    began = []
+    window.worker.busyChanged.connect(began.append, Qt.ConnectionType.DirectConnection)
+    window.side_by_side.prompt.setPlainText("Hello")
+    for kind, view, stop in (("recording", window.scenarios, lambda: window.scenarios.bar.cancel_button.click()),
+                             ("sweeping", window.sweep, window.stop_action.trigger),
+                             ("comparing", window.side_by_side, lambda: window.side_by_side.bar.cancel_button.click())):
+        gate = threading.Event()
+        QTimer.singleShot(0, window.worker, lambda: gate.wait(30))  # (the job waits behind what the worker runs)
+        view.bar.run_button.click()
+        assert window._waiting == kind and view.bar.cancel_button.isEnabled()
+        stop()
+        what = STOPPABLE[kind]
+        assert window.status_state.text() == f"Stopping {what}…" and not window.worker.cancel.is_set()
+        gate.set()
+        qtbot.waitUntil(lambda: not (window.busy or window._waiting), timeout=WAIT)
+        assert view.bar.status.text() == "Cancelled while queued: nothing ran, nothing saved.", kind
+        assert window.status_state.text() == f"Stopped {what} while queued: nothing ran."
+        assert view.bar.run_button.isEnabled() and not view.bar.cancel_button.isEnabled()
+    assert began == []  # (the worker began none of them)
+    assert [column.answer.toPlainText() for column in (window.side_by_side.left, window.side_by_side.right)] == [
+        "Not started: the comparison was stopped before A began.",
+        "Not started: the comparison was stopped before B began."]
+    window.scenarios.bar.run_button.click()  # the next job runs
+    qtbot.waitUntil(lambda: not (window.busy or window._waiting), timeout=WAIT)
+    assert began == ["recording", ""] and window.scenarios.result.saved
+
+
 def test_open_recent_is_off_while_open_is(qtbot, window):
     """File > Open recent stayed on while the window was busy, Open off: a folder chosen from it then was opened
     after what ran (the load), over the folder that load had just shown. It is on where Open is."""
@@ -2495,7 +2528,7 @@ def test_the_layer_split_chosen_in_the_budget_panel_plans_whole_layers_and_appli
 
 def test_stop_and_esc_cancel_a_records_job_that_is_queued_but_not_started(qtbot, window):
     """A records job sent to the worker behind something else: Stop and Esc were off (only the job's own Cancel
-    worked). They cancel it now: it starts cancelled, saves nothing, and the status bar says it was stopped."""
+    worked). They cancel it now: it is not run, and the status bar says it was stopped."""
     from PySide6.QtCore import QTimer
 
     load(qtbot, window, fixture_folder("lfm2moe"))
@@ -2510,10 +2543,9 @@ def test_stop_and_esc_cancel_a_records_job_that_is_queued_but_not_started(qtbot,
     window.stop_action.trigger()
     assert window.status_state.text() == "Stopping the scenario runs…"
     gate.set()
-    qtbot.waitUntil(lambda: not view.bar.running and not window.busy, timeout=WAIT)
-    cancelled = view.result.cancelled  # None where the cancel came before the first run began
-    assert view.result.saved == [] and (cancelled is None or cancelled.generated_tokens < 300)
-    assert window.status_state.text() == "Stopped the scenario runs."
+    qtbot.waitUntil(lambda: not view.bar.running and not (window.busy or window._waiting), timeout=WAIT)
+    assert view.result is None and view.bar.status.text() == "Cancelled while queued: nothing ran, nothing saved."
+    assert window.status_state.text() == "Stopped the scenario runs while queued: nothing ran."
     assert not window.stop_action.isEnabled()
 
 

@@ -6,8 +6,9 @@ threading.Event the window sets directly, so it works at any moment: mid-answer 
 ends the answer) and mid-load (the next progress report ends the load). A chat request stopped
 before it began (the window numbers them: options["request"]) is not run; one the worker began
 meanwhile ends at its first token. A load stopped before the window saw it begin (numbered too:
-settings["request"]) stops before the loaded model goes, where it has not gone yet: that model stays. Any engine
-error becomes a `failed` message; the worker stays usable.
+settings["request"]) stops before the loaded model goes, where it has not gone yet: that model stays. A records job
+stopped before the window saw it begin (numbered too) is not run. Any engine error becomes a `failed` message; the
+worker stays usable.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class EngineWorker(QObject):
     jobStreamed = Signal(str, object)      # job kind, a batch of streamed answer text (the job's own shape)
     jobFinished = Signal(str, object)      # job kind, its result
     jobFailed = Signal(str, str, list)     # job kind, one line (also sent as `failed`), the runs it saved all the same
+    jobSkipped = Signal(str)               # job kind: stopped while it waited in the queue (stopped_job), not run
 
     # requests, queued into the worker thread
     requestOpen = Signal(str)                  # inspect a folder (no sessions)
@@ -85,13 +87,14 @@ class EngineWorker(QObject):
     requestNewChat = Signal(str)               # system prompt
     requestReplan = Signal(dict)               # {"entries": offload entries, "layer_split": ...}
     requestUnload = Signal()
-    requestJob = Signal(str, object)           # kind ("recording", "sweeping", ...), a records job (app.gui.records_jobs)
+    requestJob = Signal(str, object, int)      # kind ("recording", "sweeping", ...), a records job, its number
 
     def __init__(self, demo_dir: str | None = None):
         super().__init__()
         self.cancel = threading.Event()
         self.stopped_request = 0  # the chat request (options["request"]) the window stopped before it saw it begin
         self.stopped_load = 0  # the load (settings["request"]) the window stopped before it saw it begin
+        self.stopped_job = 0  # the records job (requestJob's number) the window stopped before it saw it begin
         self.unload_asked = False  # the window's Unload, queued behind what runs now, is still to come (_unload)
         self.demo_dir = demo_dir
         self._folder = None
@@ -523,10 +526,13 @@ class EngineWorker(QObject):
                 "ceiling": memory.ceiling}
 
     # --- records jobs: scenarios, sweeps, side-by-side, contention -------------------------------------
-    @Slot(str, object)
-    def _job(self, kind: str, job) -> None:
+    @Slot(str, object, int)
+    def _job(self, kind: str, job, request: int = 0) -> None:
         """Run a records job on the loaded model in this thread, so it never overlaps a load, an
         answer or a re-plan. Stop (self.cancel) reaches it between tokens."""
+        if request and request == self.stopped_job:  # stopped while it waited behind what ran: not run
+            self.jobSkipped.emit(kind)
+            return
         self.cancel.clear()
         self.busyChanged.emit(kind)
         trials = _trials(self._model)

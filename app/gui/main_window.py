@@ -206,6 +206,7 @@ class MainWindow(QMainWindow):
         self._chat_requests = 0  # the chat's requests to the worker, numbered (EngineWorker.stopped_request)
         self._chat_waiting: int | None = None  # the one sent whose answer has not come back
         self._loads = 0  # the window's loads sent to the worker, numbered (EngineWorker.stopped_load)
+        self._jobs = 0  # the records jobs sent to the worker, numbered (EngineWorker.stopped_job)
         history_box = QWidget()
         history_column = QVBoxLayout(history_box)
         history_column.setContentsMargins(4, 4, 4, 4)
@@ -293,6 +294,7 @@ class MainWindow(QMainWindow):
         w.jobStreamed.connect(self._on_job_streamed)
         w.jobFinished.connect(self._on_job_finished)
         w.jobFailed.connect(self._on_job_failed)
+        w.jobSkipped.connect(self._on_job_skipped)
         for kind, view in self.job_views.items():
             view.jobRequested.connect(self.run_job)
             view.cancelRequested.connect(lambda k=kind: self.cancel_job(k))
@@ -676,7 +678,7 @@ class MainWindow(QMainWindow):
         self.worker.unload_asked = True
         queued = self._waiting == "loading"  # stopped too: it ran in full, then the Unload queued behind it undid it
         if queued:
-            self._stop_queued_load()
+            self._stop_queued()
         self.worker.cancel.set()
         self.worker.requestUnload.emit()
         stopping = "loading" if queued else self.busy
@@ -701,23 +703,26 @@ class MainWindow(QMainWindow):
             what = STOPPABLE.get(self.busy)
             if what is not None:
                 self.worker.cancel.set()
-            elif self._waiting in STOPPABLE:  # queued, not started: cancelled as it starts
+            elif self._waiting in STOPPABLE:  # queued, not seen to begin
                 what = STOPPABLE[self._waiting]
-                self._cancel_when_started = self._waiting
-                if self._waiting == "loading":
-                    self._stop_queued_load()
+                self._stop_queued()
             else:
                 return
         self._stopping = what
         self._say_stopping()
 
-    def _stop_queued_load(self) -> None:
-        """Stop the load the window has not seen begin now, not once it hears it began: the worker may have begun it
-        and be about to drop the loaded model, which a load stopped before that keeps; one still queued reads no
-        folder (EngineWorker.stopped_load)."""
-        self._cancel_when_started = "loading"
-        self.worker.stopped_load = self._loads
-        self.worker.cancel.set()
+    def _stop_queued(self) -> None:
+        """Stop the load or records job the window has not seen begin now, not once it hears it began (one the worker
+        began meanwhile is stopped then too). The worker may have begun a load and be about to drop the loaded model,
+        which a load stopped before that keeps; one still queued reads no folder (EngineWorker.stopped_load). A
+        records job still queued is not run (EngineWorker.stopped_job); the stop flag is left alone, as it would stop
+        what runs ahead of the job."""
+        self._cancel_when_started = self._waiting
+        if self._waiting == "loading":
+            self.worker.stopped_load = self._loads
+            self.worker.cancel.set()
+        else:
+            self.worker.stopped_job = self._jobs
 
     @Slot()
     def _say_stopping(self) -> None:
@@ -740,14 +745,31 @@ class MainWindow(QMainWindow):
         self.error_banner.hide()
         self._cancel_when_started = None
         self._waiting = kind
-        self.worker.requestJob.emit(kind, job)
+        self._jobs += 1
+        self.worker.requestJob.emit(kind, job, self._jobs)
         self._update_state()
 
     def cancel_job(self, kind: str) -> None:
         if self.busy == kind:
             self.stop()
-        else:  # queued, not started: the worker clears the flag when it starts, so cancel it then
-            self._cancel_when_started = kind
+        elif self._waiting == kind:  # queued, not started (Stop would stop an answer the window sent before it)
+            self._stop_queued()
+            self._stopping = STOPPABLE[kind]
+            self._say_stopping()
+
+    @Slot(str)
+    def _on_job_skipped(self, kind: str) -> None:
+        """A records job stopped while it waited in the worker's queue: it did not run."""
+        if self._waiting == kind:
+            self._waiting = None
+        self._cancel_when_started = self._stopping = None
+        self._say_stopping()  # (no longer said each second)
+        self.status_state.setText(f"Stopped {STOPPABLE[kind]} while queued: nothing ran.")
+        view = self.job_views[kind]
+        if hasattr(view, "show_not_started"):  # (side by side's sides, cleared as it was sent)
+            view.show_not_started()
+        view.bar.finish("Cancelled while queued: nothing ran, nothing saved.")
+        self._update_state()
 
     @Slot(str, object, str)
     def _on_job_progress(self, kind: str, fraction: float | None, text: str) -> None:

@@ -615,6 +615,11 @@ class SideBySideView(QWidget):
         self.bar.finish(saved_text(result.saved_ids))
         self.recorded.emit(result.saved_ids)
 
+    def show_not_started(self) -> None:
+        """Stopped while it waited in the engine's queue: neither side began."""
+        for column, side in ((self.left, "A"), (self.right, "B")):
+            column.show_not_started(side)
+
     def on_failed(self, message: str) -> None:
         self.left.show_stopped()  # what each side streamed stays
         self.right.show_stopped()
