@@ -739,6 +739,31 @@ def test_a_cpu_cost_line_faster_than_the_ceiling_is_refused():
     assert past.value == past.average and past.fixed_s == 0.0
 
 
+def scattered_calls(scatter_s: float) -> list[tuple[int, float]]:
+    """Calls of two and four experts on the line 150 GB/s + 100 µs, each `scatter_s` above or below it in turn."""
+    return [(n * FLAT_EXPERT, 100e-6 + n * FLAT_EXPERT / 150e9 + scatter_s * (1, -1, -1, 1)[i // 2 % 4])
+            for i, n in enumerate([2, 4] * 20)]
+
+
+def test_a_cpu_cost_line_that_explains_the_calls_poorly_is_refused():
+    # calls 50 µs off the line either way, against 33 µs between the two sizes' own: the line explains ~10% of how
+    # their times vary (R²), its slope is noise however close it came here
+    noisy = scattered_calls(50e-6)
+    free = observed(CpuRate(ceiling=240e9, min_r2=0.0), noisy)
+    assert (free.value, free.fixed_s) == (pytest.approx(150e9, rel=1e-3), pytest.approx(100e-6, rel=1e-3))
+    refused = observed(CpuRate(ceiling=240e9), noisy)
+    assert refused._line() is None and refused.fixed_s == 0.0 and refused.value == refused.average
+    # a kept line's slope stays through them, as through calls that give no line
+    kept = observed(CpuRate(ceiling=240e9), [(n * FLAT_EXPERT, 110e-6 + n * FLAT_EXPERT / 100e9)
+                                             for n in [1, 8, 3, 6, 2, 7, 4, 5] * 2])
+    assert kept.value == pytest.approx(100e9, rel=1e-6)
+    observed(kept, noisy * 10)
+    assert kept._line() is None and kept.value == pytest.approx(100e9, rel=1e-6)
+    # 10 µs off (R² ~0.74): the line
+    steady = observed(CpuRate(ceiling=240e9), scattered_calls(10e-6))
+    assert (steady.value, steady.fixed_s) == (pytest.approx(150e9, rel=1e-3), pytest.approx(100e-6, rel=1e-3))
+
+
 def test_the_engine_sets_no_cpu_rate_ceiling_on_the_simulated_device(model_folder):
     # its bandwidths are assumed (here 1 MB/s of CPU), its CPU kernels' calls this machine's: the fit as without one
     model, _device = open_model(model_folder, FAST_PCIE, measure_cpu_rate=True)

@@ -72,14 +72,19 @@ class CpuRate:
     Bytes spread just past min_spread with noisy times can give a line that is nearly flat: 1301 GB/s + 322 µs a call
     on the H100 host's Qwen3-30B-A3B-like calls at 50% resident, whose streaming read was ~120 GB/s (seventy-first
     session), as if one more miss cost the CPU nothing. A slope faster than `ceiling` is such a line, not a rate: it
-    is refused as calls that give no line are (the kept slope or the average stays)."""
+    is refused as calls that give no line are (the kept slope or the average stays).
+
+    A slope under the ceiling can be noise too (239 GB/s + 288 µs a call on calls whose own rates scattered widely,
+    seventy-first session): a line whose bytes explain less than `min_r2` of how the calls' times vary (R², over the
+    weighted calls) is refused the same way. R², not the residuals' size: calls of nearly one size with steady times
+    have small residuals whatever slope their noise gives, while a slope is a claim that bytes drive the times."""
 
     def __init__(self, keep: float = 0.9, fit: bool = True, fit_keep: float = 0.98, min_calls: int = 8,
-                 min_spread: float = 0.2, keep_fit: bool = True, ceiling: float | None = None):
+                 min_spread: float = 0.2, keep_fit: bool = True, ceiling: float | None = None, min_r2: float = 0.5):
         self.keep, self.fit, self.fit_keep, self.min_calls, self.min_spread = keep, fit, fit_keep, min_calls, min_spread
-        self.keep_fit, self.ceiling = keep_fit, ceiling
+        self.keep_fit, self.ceiling, self.min_r2 = keep_fit, ceiling, min_r2
         self.average: float | None = None
-        self._sums = [0.0] * 5  # weighted count, Σx, Σy, Σx², Σxy (x bytes, y seconds)
+        self._sums = [0.0] * 6  # weighted count, Σx, Σy, Σx², Σxy, Σy² (x bytes, y seconds)
         self._calls = 0
         self._fitted: tuple[float, float] | None = None  # _line(), computed when read after new calls
         self._stale = False
@@ -90,7 +95,7 @@ class CpuRate:
         rate = nbytes / seconds
         self.average = rate if self.average is None else self.keep * self.average + (1 - self.keep) * rate
         keep, x, y = self.fit_keep, float(nbytes), float(seconds)
-        self._sums = [keep * old + new for old, new in zip(self._sums, (1.0, x, y, x * x, x * y))]
+        self._sums = [keep * old + new for old, new in zip(self._sums, (1.0, x, y, x * x, x * y, y * y))]
         self._calls += 1
         self._stale = True  # refitted when read: layers without slots observe calls nobody prices
 
@@ -109,7 +114,7 @@ class CpuRate:
         weights = self.keep ** np.arange(rates.size - 1, -1, -1)
         self.average = self.keep ** rates.size * self.average + (1 - self.keep) * float(weights @ rates)
         weights = self.fit_keep ** np.arange(x.size - 1, -1, -1)
-        added = (weights.sum(), weights @ x, weights @ y, weights @ (x * x), weights @ (x * y))
+        added = (weights.sum(), weights @ x, weights @ y, weights @ (x * x), weights @ (x * y), weights @ (y * y))
         decay = self.fit_keep ** x.size
         self._sums = [decay * old + float(new) for old, new in zip(self._sums, added)]
         self._calls += x.size
@@ -119,15 +124,17 @@ class CpuRate:
         """(fixed seconds, seconds per byte) of the fitted line, or None where the calls do not give one."""
         if self._calls < self.min_calls:
             return None
-        w, sx, sy, sxx, sxy = self._sums
+        w, sx, sy, sxx, sxy, syy = self._sums
         mean_x, mean_y = sx / w, sy / w
         var_x = sxx / w - mean_x * mean_x
         if var_x < (self.min_spread * mean_x) ** 2:
             return None
-        slope = (sxy / w - mean_x * mean_y) / var_x
+        cov = sxy / w - mean_x * mean_y
+        slope = cov / var_x
         fixed = mean_y - slope * mean_x
         faster = self.ceiling is not None and slope * self.ceiling < 1.0
-        return (fixed, slope) if slope > 0 and fixed >= 0 and not faster else None
+        explained = cov * cov >= self.min_r2 * var_x * (syy / w - mean_y * mean_y)  # R² >= min_r2
+        return (fixed, slope) if slope > 0 and fixed >= 0 and not faster and explained else None
 
     def _current(self) -> tuple[float, float] | None:
         if not self.fit:
