@@ -39,7 +39,7 @@ from tests.test_dense_device import FakeDeviceArray
 from tests.test_host_register import FakeRuntime
 from tests.test_offload import (SPEC, assert_mapped_as_the_cache_holds, assert_same_as_cpu, device_expert_bytes,
                                 greedy_run, time_paths_as_given)
-from tests.test_offload_misses import FLAT_CALLS, observed
+from tests.test_offload_misses import line_calls, observed
 
 
 def _device(array) -> FakeDeviceArray:
@@ -718,14 +718,14 @@ def test_a_host_held_after_a_gated_launch_finds_the_gate_late_and_merges_again(m
 
 def test_the_cpu_rates_ceiling_comes_from_the_streaming_read_the_device_measured(model_folder, monkeypatch):
     """The engine's CPU rates (the miss policy's and the split's) refuse a line faster than twice the host's streaming
-    read as the device measured it (here the stand-in's 40 GB/s): the H100 host's flat line of 1301 GB/s + 322 µs a
-    call leaves them the calls' average."""
+    read as the device measured it (here the stand-in's 40 GB/s): calls on a line of 100 GB/s + 110 µs a call leave
+    them the calls' average."""
     model, _cp = open_on_standin(model_folder, 0.5, monkeypatch)
     engine = model.offload
     assert engine.device.bandwidths.cpu == 40e9
     for rate in (engine.cpu_rate, engine.split_rate):
         assert rate.ceiling == 80e9
-        observed(rate, FLAT_CALLS)
+        observed(rate, line_calls(100e9, 110e-6))
         assert rate.value == rate.average and rate.fixed_s == 0.0
 
 

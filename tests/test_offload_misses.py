@@ -708,6 +708,11 @@ FLAT_EXPERT = 2_500_000
 FLAT_CALLS = [(n * FLAT_EXPERT, 322e-6 + n * FLAT_EXPERT / 1301e9) for n in [3, 5] * 10]
 
 
+def line_calls(per_s: float, fixed_s: float) -> list[tuple[int, float]]:
+    """Calls of one to eight experts, twice over, each on the line fixed_s + bytes / per_s."""
+    return [(n * FLAT_EXPERT, fixed_s + n * FLAT_EXPERT / per_s) for n in [1, 8, 3, 6, 2, 7, 4, 5] * 2]
+
+
 def observed(rate: CpuRate, calls) -> CpuRate:
     for nbytes, seconds in calls:
         rate.observe(nbytes, seconds)
@@ -715,24 +720,23 @@ def observed(rate: CpuRate, calls) -> CpuRate:
 
 
 def test_a_cpu_cost_line_faster_than_the_ceiling_is_refused():
-    free = observed(CpuRate(), FLAT_CALLS)  # no ceiling: the line the engine reported
+    # no ceiling (and no bound on the fixed cost's share of a call, which refuses it too): the line the engine reported
+    free = observed(CpuRate(max_fixed_share=1.0), FLAT_CALLS)
     assert (free.value, free.fixed_s) == (pytest.approx(1301e9, rel=1e-6), pytest.approx(322e-6, rel=1e-6))
     # a ceiling of twice the streaming read: the line is refused, the calls price misses at their average rate
-    capped = observed(CpuRate(ceiling=240e9), FLAT_CALLS)
+    capped = observed(CpuRate(ceiling=240e9, max_fixed_share=1.0), FLAT_CALLS)
     assert capped._line() is None and capped.fixed_s == 0.0
     assert capped.value == capped.average == pytest.approx(free.average) and 25e9 < capped.value < 35e9
     # a line fitted before (the CPU path's calls of 1-8 experts, ~110 µs + bytes / 100 GB/s) keeps its slope through
     # the flat calls, its fixed cost through their weighted mean (~10 MB in ~329.7 µs: ~230 µs at 100 GB/s)
-    kept = observed(CpuRate(ceiling=240e9), [(n * FLAT_EXPERT, 110e-6 + n * FLAT_EXPERT / 100e9)
-                                             for n in [1, 8, 3, 6, 2, 7, 4, 5] * 2])
+    kept = observed(CpuRate(ceiling=240e9), line_calls(100e9, 110e-6))
     assert kept.value == pytest.approx(100e9, rel=1e-6)
     observed(kept, FLAT_CALLS * 20)  # the older calls decay away
     assert kept._line() is None
     assert (kept.value, kept.fixed_s) == (pytest.approx(100e9, rel=1e-6), pytest.approx(230e-6, rel=3e-3))
     # sane lines below the ceiling still fit, cache-hot ones faster than the streaming read included; just past it: not
     def line(per_s: float) -> CpuRate:
-        return observed(CpuRate(ceiling=240e9), [(n * FLAT_EXPERT, 150e-6 + n * FLAT_EXPERT / per_s)
-                                                 for n in [1, 8, 3, 6, 2, 7, 4, 5] * 2])
+        return observed(CpuRate(ceiling=240e9), line_calls(per_s, 150e-6))
     for per_s in (66e9, 200e9):
         assert (line(per_s).value, line(per_s).fixed_s) == (pytest.approx(per_s, rel=1e-6), pytest.approx(150e-6))
     past = line(250e9)
@@ -754,8 +758,7 @@ def test_a_cpu_cost_line_that_explains_the_calls_poorly_is_refused():
     refused = observed(CpuRate(ceiling=240e9), noisy)
     assert refused._line() is None and refused.fixed_s == 0.0 and refused.value == refused.average
     # a kept line's slope stays through them, as through calls that give no line
-    kept = observed(CpuRate(ceiling=240e9), [(n * FLAT_EXPERT, 110e-6 + n * FLAT_EXPERT / 100e9)
-                                             for n in [1, 8, 3, 6, 2, 7, 4, 5] * 2])
+    kept = observed(CpuRate(ceiling=240e9), line_calls(100e9, 110e-6))
     assert kept.value == pytest.approx(100e9, rel=1e-6)
     observed(kept, noisy * 10)
     assert kept._line() is None and kept.value == pytest.approx(100e9, rel=1e-6)
@@ -764,12 +767,25 @@ def test_a_cpu_cost_line_that_explains_the_calls_poorly_is_refused():
     assert (steady.value, steady.fixed_s) == (pytest.approx(150e9, rel=1e-3), pytest.approx(100e-6, rel=1e-3))
 
 
+def test_a_cpu_cost_line_whose_fixed_cost_takes_most_of_a_call_is_refused():
+    # calls of three and five experts on 239 GB/s + 288 µs (the H100 host's, seventy-first session): under the ceiling
+    # and on the line exactly, but 87% of the mean call is its fixed cost
+    flat = [(n * FLAT_EXPERT, 288e-6 + n * FLAT_EXPERT / 239e9) for n in [3, 5] * 10]
+    free = observed(CpuRate(ceiling=240e9, max_fixed_share=1.0), flat)
+    assert (free.value, free.fixed_s) == (pytest.approx(239e9, rel=1e-6), pytest.approx(288e-6, rel=1e-6))
+    refused = observed(CpuRate(ceiling=240e9), flat)
+    assert refused._line() is None and refused.fixed_s == 0.0 and refused.value == refused.average
+    # the same calls with their bytes read at 66 GB/s: the fixed cost is 66% of the mean call, the line stands
+    slower = observed(CpuRate(ceiling=240e9), [(n * FLAT_EXPERT, 288e-6 + n * FLAT_EXPERT / 66e9) for n in [3, 5] * 10])
+    assert (slower.value, slower.fixed_s) == (pytest.approx(66e9, rel=1e-6), pytest.approx(288e-6, rel=1e-6))
+
+
 def test_the_engine_sets_no_cpu_rate_ceiling_on_the_simulated_device(model_folder):
     # its bandwidths are assumed (here 1 MB/s of CPU), its CPU kernels' calls this machine's: the fit as without one
     model, _device = open_model(model_folder, FAST_PCIE, measure_cpu_rate=True)
     for rate in (model.offload.cpu_rate, model.offload.split_rate):
-        observed(rate, FLAT_CALLS)
-        assert rate.value == pytest.approx(1301e9, rel=1e-6)
+        observed(rate, line_calls(100e9, 110e-6))
+        assert rate.value == pytest.approx(100e9, rel=1e-6)
 
 
 def test_a_cpu_cost_fit_stays_while_later_calls_of_one_size_give_none():
