@@ -58,10 +58,12 @@ class CpuRate:
 
     The fit: least squares of seconds on bytes over the calls, each weighted `fit_keep` per later call. It is used
     once `min_calls` calls were seen with bytes spread enough (standard deviation >= `min_spread` of their mean)
-    and gives a positive slope, a fixed cost >= 0 and a rate no higher than `ceiling` (bytes per second; None: no
-    ceiling); until then (and with `fit` off) fixed_s is 0 and value the average rate, an exponential average of
-    bytes / seconds per call (weight `keep` on the past). value is None until measured. The average alone read 28-43
-    GB/s on that Xeon against 98 GB/s of streaming bandwidth.
+    and gives a positive slope and a rate no higher than `ceiling` (bytes per second; None: no ceiling). A fixed cost
+    below 0 is noise about none: it is taken as 0 and the slope fitted through the origin, that line checked as the
+    first would be (such lines were dropped whole, the calls priced at their average: "68 GB/s + 0 µs" at Qwen 0%,
+    seventy-first session). Until then (and with `fit` off) fixed_s is 0 and value the average rate, an exponential
+    average of bytes / seconds per call (weight `keep` on the past). value is None until measured. The average alone
+    read 28-43 GB/s on that Xeon against 98 GB/s of streaming bandwidth.
 
     A fit's slope, once made, stays (`keep_fit`) while later calls give none, until they give a new one; its fixed
     cost follows those calls (the line through their mean, _through_recent). Calls of one size
@@ -135,12 +137,15 @@ class CpuRate:
         var_x = sxx / w - mean_x * mean_x
         if var_x < (self.min_spread * mean_x) ** 2:
             return None
-        cov = sxy / w - mean_x * mean_y
-        slope = cov / var_x
+        slope = (sxy / w - mean_x * mean_y) / var_x
         fixed = mean_y - slope * mean_x
+        if fixed < 0:
+            fixed, slope = 0.0, sxy / sxx
         faster = self.ceiling is not None and slope * self.ceiling < 1.0
-        explained = cov * cov >= self.min_r2 * var_x * (syy / w - mean_y * mean_y)  # R² >= min_r2
-        sane = 0 <= fixed <= self.max_fixed_share * mean_y
+        # R² = 1 - the mean squared residual over the variance of the calls' times (of this line, the origin's too)
+        residual = (syy - 2 * (fixed * sy + slope * sxy - fixed * slope * sx) + slope * slope * sxx) / w + fixed * fixed
+        explained = residual <= (1.0 - self.min_r2) * (syy / w - mean_y * mean_y)
+        sane = fixed <= self.max_fixed_share * mean_y
         return (fixed, slope) if slope > 0 and sane and not faster and explained else None
 
     def _current(self) -> tuple[float, float] | None:
