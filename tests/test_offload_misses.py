@@ -790,6 +790,19 @@ def test_a_cpu_cost_line_through_a_slightly_negative_fixed_cost_is_fitted_throug
     assert rate.average == pytest.approx(68e9 * 1.025, rel=3e-3)
 
 
+def test_the_average_cpu_rate_is_bounded_by_the_ceiling():
+    # calls of eight experts at 37 GB/s (no spread: no line), then one timed at 1 µs (20 MB: 20 TB/s) counts as a
+    # call at the ceiling, observe() and observe_many() alike
+    calls = [(8 * FLAT_EXPERT, 8 * FLAT_EXPERT / 37e9)] * 5 + [(8 * FLAT_EXPERT, 1e-6)]
+    one, many = observed(CpuRate(ceiling=240e9), calls), CpuRate(ceiling=240e9)
+    many.observe_many(calls)
+    for rate in (one, many):
+        assert rate.fixed_s == 0.0 and rate.value == pytest.approx(0.9 * 37e9 + 0.1 * 240e9)
+    # every call faster than the ceiling: the ceiling
+    assert observed(CpuRate(ceiling=240e9), [(FLAT_EXPERT, 1e-6)] * 3).value == pytest.approx(240e9)
+    assert observed(CpuRate(), calls).value == pytest.approx(0.9 * 37e9 + 0.1 * 20e12)  # no ceiling: no bound
+
+
 def test_the_engine_sets_no_cpu_rate_ceiling_on_the_simulated_device(model_folder):
     # its bandwidths are assumed (here 1 MB/s of CPU), its CPU kernels' calls this machine's: the fit as without one
     model, _device = open_model(model_folder, FAST_PCIE, measure_cpu_rate=True)

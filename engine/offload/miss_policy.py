@@ -62,8 +62,9 @@ class CpuRate:
     below 0 is noise about none: it is taken as 0 and the slope fitted through the origin, that line checked as the
     first would be (such lines were dropped whole, the calls priced at their average: "68 GB/s + 0 µs" at Qwen 0%,
     seventy-first session). Until then (and with `fit` off) fixed_s is 0 and value the average rate, an exponential
-    average of bytes / seconds per call (weight `keep` on the past). value is None until measured. The average alone
-    read 28-43 GB/s on that Xeon against 98 GB/s of streaming bandwidth.
+    average of bytes / seconds per call (weight `keep` on the past), each call's at most `ceiling`: one call timed
+    too short would otherwise lift it past any rate the CPU reads at for tens of calls. value is None until measured.
+    The average alone read 28-43 GB/s on that Xeon against 98 GB/s of streaming bandwidth.
 
     A fit's slope, once made, stays (`keep_fit`) while later calls give none, until they give a new one; its fixed
     cost follows those calls (the line through their mean, _through_recent). Calls of one size
@@ -100,7 +101,7 @@ class CpuRate:
     def observe(self, nbytes: int, seconds: float) -> None:
         if seconds <= 0 or nbytes <= 0:
             return
-        rate = nbytes / seconds
+        rate = nbytes / seconds if self.ceiling is None else min(nbytes / seconds, self.ceiling)
         self.average = rate if self.average is None else self.keep * self.average + (1 - self.keep) * rate
         keep, x, y = self.fit_keep, float(nbytes), float(seconds)
         self._sums = [keep * old + new for old, new in zip(self._sums, (1.0, x, y, x * x, x * y, y * y))]
@@ -116,7 +117,7 @@ class CpuRate:
         x, y = x[counted], y[counted]
         if x.size == 0:
             return
-        rates = x / y
+        rates = x / y if self.ceiling is None else np.minimum(x / y, self.ceiling)
         if self.average is None:
             self.average, rates = float(rates[0]), rates[1:]
         weights = self.keep ** np.arange(rates.size - 1, -1, -1)
