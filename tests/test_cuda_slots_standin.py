@@ -30,6 +30,7 @@ from engine.offload.cuda_device import CudaSlots, CudaStreamingSlots, RecentHost
 from engine.offload.device_memory import DENSE_RESERVATION, DeviceMemory
 from engine.offload.devices import GIB, TIER_READ_SHARE, Bandwidths
 from engine.offload.engine import OffloadEngine
+from engine.offload.miss_policy import cpu_bytes_per_s
 from engine.ort_env import DenseDevice
 from kernels.cold_split import cpu_take_table, device_spans, split_cold_rows
 from kernels.cpu import CpuQMoE
@@ -557,8 +558,8 @@ def test_under_decode_path_both_the_cpu_takes_a_share_of_the_cold_pairs_the_gpu_
     engine._split_tables.clear()
     info, store = engine.infos[0], engine.stores[0]
     assert engine.cold_split_table(0).tolist() == cpu_take_table(
-        SPEC.top_k, info.bytes_per_expert / engine.split_cpu_rate.value, engine.split_cpu_rate.fixed_s,
-        store.read_bytes / engine.tier_read.value, engine.host_gap.value).tolist()
+        SPEC.top_k, info.bytes_per_expert / cpu_bytes_per_s(engine.device.bandwidths, engine.split_cpu_rate.value),
+        engine.split_cpu_rate.fixed_s, store.read_bytes / engine.tier_read.value, engine.host_gap.value).tolist()
     engine.host_gap._gaps.extend([1.0] * engine.host_gap.WINDOW)  # a host slower than any read: all to the GPU
     engine._split_tables.clear()
     assert not engine.cold_split_table(0).any()
@@ -568,8 +569,8 @@ def test_under_decode_path_both_the_cpu_takes_a_share_of_the_cold_pairs_the_gpu_
     engine.set_decode_path("both")
     assert engine.host_gap.value == 0 and not engine._split_tables
     assert engine.cold_split_table(0).tolist() == cpu_take_table(
-        SPEC.top_k, info.bytes_per_expert / engine.split_cpu_rate.value, engine.split_cpu_rate.fixed_s,
-        store.read_bytes / engine.tier_read.value, 0.0).tolist()
+        SPEC.top_k, info.bytes_per_expert / cpu_bytes_per_s(engine.device.bandwidths, engine.split_cpu_rate.value),
+        engine.split_cpu_rate.fixed_s, store.read_bytes / engine.tier_read.value, 0.0).tolist()
     engine.reconfigure(engine.config.updated(cpu_execution="disabled"))  # no CPU compute: the tier alone
     assert engine.decode_path_in_force == "tier" and not engine.splits_cold
 

@@ -18,7 +18,7 @@ from engine.generation import LoadedModel
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.config import OffloadConfigError
 from engine.offload.device_memory import DeviceMemoryError
-from engine.offload.miss_policy import CpuRate
+from engine.offload.miss_policy import CpuRate, cpu_bytes_per_s, miss_costs
 from engine.offload.placement import AdaptivePlacement, LayerSlots, make_policy
 from engine.offload.planner import OffloadPlanError, plan_offload
 from engine.offload.traces import hit_rate, realistic_trace
@@ -362,8 +362,8 @@ def test_under_decode_path_both_the_cpus_share_follows_the_rates_measured_in_its
     engine._split_tables.clear()
     info, store = engine.infos[0], engine.stores[0]
     assert engine.cold_split_table(0).tolist() == cpu_take_table(
-        SPEC.top_k, info.bytes_per_expert / engine.split_rate.value, engine.split_rate.fixed_s,
-        store.read_bytes / engine.tier_read.value).tolist()
+        SPEC.top_k, info.bytes_per_expert / cpu_bytes_per_s(device.bandwidths, engine.split_rate.value),
+        engine.split_rate.fixed_s, store.read_bytes / engine.tier_read.value).tolist()
     state = engine.copy_state()["decode_path"]["cold_split"]  # what records and the placement view show
     # the simulated device's dense segments are the CPU doing a card's work: no host gap is measured there
     assert engine.host_gap.value == 0.0
@@ -381,6 +381,24 @@ def test_under_decode_path_both_the_cpus_share_follows_the_rates_measured_in_its
                      "rows": None}
     engine.set_decode_path("tier")
     assert engine.copy_state()["decode_path"]["cold_split"] is None
+
+
+def test_the_split_tables_price_a_cpu_miss_as_the_miss_policy_does(model_folder):
+    """Under "both" the split's costs take the CPU's a cold expert at miss_costs' rate: the measured one, no faster
+    than the streaming read (the simulated device's assumed 40 GB/s), where a line past it had made the tables give the
+    CPU pairs it cannot read that fast."""
+    from tests.test_offload_misses import line_calls, observed
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(model_folder, device=device, decode_path="both",
+                             offload=OffloadConfig(device_expert_bytes=device_expert_bytes(model_folder) // 4))
+    engine, info, rate = model.offload, model.offload.infos[0], model.offload.split_rate
+    observed(rate, line_calls(400e9, 2e-6))  # calls measured past the streaming read (no ceiling simulated)
+    assert rate.value == pytest.approx(400e9) and device.bandwidths.cpu == 40e9
+    expert_s, call_s, _tier_s = engine._split_costs(0)
+    assert expert_s == miss_costs(device.bandwidths, info.bytes_per_expert, [1], 0.0, cpu_rate=rate.value).cpu_s[0]
+    assert expert_s == pytest.approx(info.bytes_per_expert / 40e9) and call_s == pytest.approx(2e-6)
+    assert engine.cold_split_table(0).tolist() == [0, 0, 0, 0, 1]  # (at the 400 GB/s measured: [0, 0, 0, 1, 2])
 
 
 def test_fixed_split_tables_hold_each_layer_with_no_share_or_row_trials(model_folder, cpu_run):

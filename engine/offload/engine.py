@@ -32,7 +32,7 @@ from engine.offload.device_memory import DeviceMemoryError
 from engine.offload.devices import TIER_READ_SHARE
 from engine.offload.host_cache import HostExpertCache, file_backing_refusal
 from engine.offload.layer_split import SPREAD, WHOLE, LayerSplitTrials, checked_split, default_layer_split
-from engine.offload.miss_policy import CopyReuse, CpuRate, miss_slots
+from engine.offload.miss_policy import CopyReuse, CpuRate, cpu_bytes_per_s, miss_slots
 from engine.offload.placement import (AdaptivePlacement, LayerSlots, StaticPlacement, Swap, adaptive_scores,
                                       counts_any, make_policy)
 from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload, split_choosable
@@ -422,13 +422,13 @@ class OffloadEngine(DenseLanding):
                             cpu_reads_fc2_whole=not in_part)
 
     def _split_costs(self, layer: int) -> tuple[float, float, float]:
-        """The split's costs in this layer (seconds): the CPU's a cold expert and a call, the GPU's a cold expert read
-        from the tier."""
+        """The split's costs in this layer (seconds): the CPU's a cold expert (at the rate the miss policy prices it at,
+        miss_policy.cpu_bytes_per_s) and a call, the GPU's a cold expert read from the tier."""
         info, store = self.infos[layer], self.stores[layer]
         bandwidths, rate = self.device.bandwidths, self.split_cpu_rate
-        cpu_bytes_per_s = rate.value or bandwidths.cpu
         tier_bytes_per_s = self.tier_read.value or TIER_READ_SHARE * bandwidths.pcie
-        return info.bytes_per_expert / cpu_bytes_per_s, rate.fixed_s, store.read_bytes / tier_bytes_per_s
+        return (info.bytes_per_expert / cpu_bytes_per_s(bandwidths, rate.value), rate.fixed_s,
+                store.read_bytes / tier_bytes_per_s)
 
     @property
     def split_cpu_rate(self) -> CpuRate:

@@ -275,6 +275,13 @@ class MissDecision:
         return int(self.copied.size)
 
 
+def cpu_bytes_per_s(bandwidths, cpu_rate: float | None) -> float:
+    """Bytes per second of the CPU on a miss (B_cpu in the module docstring), for the miss policy and the split's
+    tables alike: the lower of the host's streaming read (bandwidths.cpu) and the CPU kernels' measured rate
+    (CpuRate.value; None: not measured)."""
+    return bandwidths.cpu if cpu_rate is None else min(bandwidths.cpu, cpu_rate)
+
+
 def miss_costs(bandwidths, expert_bytes: int, tokens, resident_s: float,
                flops_per_token: float = 0.0, prepare_s: float = 0.0, copy_bytes: int | None = None,
                read_bytes: int | None = None, cpu_rate: float | None = None,
@@ -290,7 +297,7 @@ def miss_costs(bandwidths, expert_bytes: int, tokens, resident_s: float,
     tokens = tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
     copy_bytes = expert_bytes if copy_bytes is None else copy_bytes
     read_bytes = expert_bytes if read_bytes is None else read_bytes
-    read = expert_bytes / (bandwidths.cpu if cpu_rate is None else min(bandwidths.cpu, cpu_rate))
+    read = expert_bytes / cpu_bytes_per_s(bandwidths, cpu_rate)
     if flops_per_token:
         per_token = flops_per_token / bandwidths.cpu_flops
         cpu = [max(read, float(t) * per_token) for t in tokens]
