@@ -454,17 +454,31 @@ def test_hand_edited_json_settings_whose_quotes_qt_dropped_are_said_with_the_bac
     again.close()
 
 
-def test_a_json_setting_typed_in_single_quotes_is_said_in_jsons_words_not_with_the_backslash_hint(qtbot, tmp_path):
-    """Chat options typed with single quotes ({'top_k': 40}, which Qt keeps) were said to need a backslash before
-    each of their quotes, which leads to \\' and not to the double quotes JSON needs. JSON's own words say it."""
+def test_json_settings_typed_in_single_quotes_are_said_to_need_double_quotes(qtbot, tmp_path):
+    """Chat options typed with single quotes ({'top_k': 40}, which Qt keeps) were said in JSON's own words ("Expecting
+    property name enclosed in double quotes at character 2 of it"), and with a comma, split by Qt, to need a backslash
+    before each of their quotes, which leads to \\'. Each now says it uses single quotes and what JSON needs; written
+    so, the same options are used."""
     ini = tmp_path / "settings.ini"
-    ini.write_text("[chat]\noptions={'top_k': 40}\n")
+    key = MainWindow._model_key("/m")
+    ini.write_text("[General]\nrecent=['/a', '/b']\n[chat]\noptions={'top_k': 40}\n"
+                   f"[models]\n{key.split('/')[1]}=\"{{'budget': {{}}, 'path': '/m'}}\"\n")
     win = make_window(qtbot, tmp_path, nvml=False)
-    assert win.settings_banner.text() == (
-        f"{ini}: the chat options kept under chat/options cannot be used ({{'top_k': 40}} is not JSON: Expecting "
-        "property name enclosed in double quotes at character 2 of it): the chat starts from its defaults; what was "
-        "kept is now under chat/options.bad there")
+    assert win.model_settings("/m") is None
+    hint = 'uses single quotes: JSON needs double quotes, written \\" in the file'
+    assert win.settings_banner.text().split("\n") == [
+        f"{ini}: the chat options kept under chat/options cannot be used ({{'top_k': 40}} {hint}): the chat starts "
+        "from its defaults; what was kept is now under chat/options.bad there",
+        f"{ini}: the recent models kept under recent cannot be used (['/a', '/b'] {hint}, and the whole value in "
+        "quotes for its comma): Open recent starts empty; what was kept is now under recent.bad there",
+        f"{ini}: the budgets kept for /m cannot be used ({{'budget': {{}}, 'path': '/m'}} {hint}): the Budgets panel "
+        f"shows the defaults; what was kept is now under {key}.bad there"]
     win.close()
+    ini.write_text('[General]\nrecent="[\\"/a\\", \\"/b\\"]"\n[chat]\noptions={\\"top_k\\": 40}\n')
+    again = make_window(qtbot, tmp_path, nvml=False)
+    assert again.recent() == ["/a", "/b"] and again.chat.options()["top_k"] == 40
+    assert again.settings_banner.isHidden()
+    again.close()
 
 
 def test_a_hand_edited_json_setting_that_is_not_json_is_said_with_the_value_its_position_counts_in(qtbot, tmp_path):

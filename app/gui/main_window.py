@@ -92,9 +92,27 @@ def not_a_text(value) -> str:
     return f"{value} is not a text: in the file, one with a comma needs quotes"
 
 
+# what a JSON value typed with single quotes needs instead: Qt drops a double quote in the file with no backslash
+SINGLE_QUOTES = 'uses single quotes: JSON needs double quotes, written \\" in the file'
+
+
+def stops_at_single_quote(text: str) -> bool:
+    """Whether JSON refuses the text where a single quote stands ({'top_k': 40}, as Python writes it)."""
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as exc:
+        return exc.pos < len(text) and text[exc.pos] == "'"
+    except ValueError:
+        return False
+    return False
+
+
 def kept_json(raw):
     """What a JSON text the settings keep holds; ValueError says why it cannot be read (a hand-edited file)."""
     if not isinstance(raw, str):
+        # Qt split it at its commas: said as typed
+        if isinstance(raw, list) and stops_at_single_quote(typed := ", ".join(map(str, raw))):
+            raise ValueError(f"{typed} {SINGLE_QUOTES}, and the whole value in quotes for its comma")
         problem = not_a_text(raw)
         # Qt dropped the quotes inside too: in quotes alone, {"top_k": 40, ...} would read as {top_k: 40, ...}
         if isinstance(raw, list) and not any('"' in str(item) for item in raw):
@@ -103,10 +121,11 @@ def kept_json(raw):
     try:
         return json.loads(raw)
     except json.JSONDecodeError as exc:
+        if exc.pos < len(raw) and raw[exc.pos] == "'":
+            raise ValueError(f"{raw} {SINGLE_QUOTES}") from None
         # Qt drops a quote with no backslash before it: {"top_k": 40} typed in the file reads as {top_k: 40}, which
-        # JSON refuses where a quoted text should start (every object or list these settings keep holds texts);
-        # where it stops at a single quote, its own words say what is wrong
-        if (raw.lstrip().startswith(("{", "[")) and '"' not in raw and exc.pos < len(raw) and raw[exc.pos] != "'"
+        # JSON refuses where a quoted text should start (every object or list these settings keep holds texts)
+        if (raw.lstrip().startswith(("{", "[")) and '"' not in raw
                 and exc.msg in ("Expecting property name enclosed in double quotes", "Expecting value")):
             raise ValueError(f'{raw} is not JSON: in the file, each of its quotes needs a backslash (\\"), or Qt '
                              "drops it") from None
