@@ -315,8 +315,8 @@ def test_other_kept_settings_that_do_not_fit_are_said_and_kept_aside(qtbot, tmp_
     settings.sync()
     win = make_window(qtbot, tmp_path, nvml=False)
     assert win.settings_banner.text().split("\n") == [
-        f"{ini}: the theme kept under view/theme cannot be used (purple is not system, light or dark): the system's "
-        "is used; what was kept is now under view/theme.bad there",
+        f"{ini}: the theme kept under view/theme cannot be used (purple is not a theme name: the themes are system, "
+        "light and dark): the system's is used; what was kept is now under view/theme.bad there",
         f"{ini}: the answer length kept under record/max_new_tokens cannot be used (lots is not a length of 1 to "
         f"{MAX_ANSWER_TOKENS} tokens, or null): its default is used; what was kept is now under "
         "record/max_new_tokens.bad there",
@@ -365,13 +365,35 @@ def test_kept_settings_left_empty_are_said_as_that(qtbot, tmp_path):
     win = make_window(qtbot, tmp_path, nvml=False)
     assert win.recent() == []  # none, as empty chat options or budgets are
     assert win.settings_banner.text().split("\n") == [
-        f"{ini}: the theme kept under view/theme cannot be used (an empty value is not system, light or dark): the "
-        "system's is used; what was kept is now under view/theme.bad there",
+        f"{ini}: the theme kept under view/theme cannot be used (an empty value is not a theme name: the themes are "
+        "system, light and dark): the system's is used; what was kept is now under view/theme.bad there",
         f"{ini}: the answers choice kept under sweep/answers cannot be used (an empty value is not one of greedy, "
         "model, chat): greedy is used; what was kept is now under sweep/answers.bad there",
         f"{ini}: the sweep's repeats kept under sweep/repeats cannot be used (an empty value is not a count of 1 to "
         f"9): its default, {SWEEP_REPEATS}, is used; what was kept is now under sweep/repeats.bad there"]
     win.close()
+
+
+def test_kept_settings_typed_with_a_comma_are_said_as_typed_not_as_the_list_qt_reads(qtbot, tmp_path):
+    """Qt reads a settings file's unquoted value with a comma as a list of texts: a theme typed as dark,light was
+    refused as "['dark', 'light'] is not system, light or dark", which reads as a Python list and gives no reason
+    where the file's dark and light are both themes; an answers choice or sweep repeats likewise. Each is now said as
+    typed, the theme as no theme name, with the themes there are."""
+    from engine.records.lengths import SWEEP_REPEATS
+
+    ini = tmp_path / "settings.ini"
+    ini.write_text("[view]\ntheme=dark,light\n[sweep]\nanswers=greedy, model\nrepeats=3,4\n")
+    win = make_window(qtbot, tmp_path, nvml=False)
+    assert win.settings_banner.text().split("\n") == [
+        f"{ini}: the theme kept under view/theme cannot be used (dark,light is not a theme name: the themes are "
+        "system, light and dark): the system's is used; what was kept is now under view/theme.bad there",
+        f"{ini}: the answers choice kept under sweep/answers cannot be used (greedy,model is not one of greedy, "
+        "model, chat): greedy is used; what was kept is now under sweep/answers.bad there",
+        f"{ini}: the sweep's repeats kept under sweep/repeats cannot be used (3,4 is not a count of 1 to 9): its "
+        f"default, {SWEEP_REPEATS}, is used; what was kept is now under sweep/repeats.bad there"]
+    assert win.theme_choice == "system" and win.sweep.repeats.value() == SWEEP_REPEATS
+    win.close()
+    assert QSettings(str(ini), QSettings.Format.IniFormat).value("view/theme.bad") == ["dark", "light"]
 
 
 def test_a_hand_edited_system_prompt_qt_reads_as_a_list_is_said_not_sent(qtbot, tmp_path):

@@ -82,7 +82,10 @@ def saved_length(raw) -> int | None:
 
 
 def as_kept(value) -> str:
-    """A kept value as a refusal names it: an empty one would leave the sentence without its subject."""
+    """A kept value as a refusal names it: an empty one would leave the sentence without its subject, and one Qt split
+    at its commas (dark,light read as ["dark", "light"]) is said as typed."""
+    if isinstance(value, list):
+        return ",".join(map(str, value))
     return "an empty value" if value == "" else str(value)
 
 
@@ -451,8 +454,8 @@ class MainWindow(QMainWindow):
         theme_choice = s.value("view/theme")
         self.theme_choice = theme_choice if theme_choice in ("system", "light", "dark") else "system"
         if theme_choice is not None and theme_choice != self.theme_choice:  # one the menu has no entry for
-            self._refuse_kept("view/theme", "theme", f"{as_kept(theme_choice)} is not system, light or dark",
-                              "the system's is used")
+            self._refuse_kept("view/theme", "theme", f"{as_kept(theme_choice)} is not a theme name: the themes are "
+                              "system, light and dark", "the system's is used")
         chat = s.value("chat/options")
         if chat:
             try:
