@@ -200,6 +200,9 @@ def test_a_chat_length_the_settings_file_keeps_out_of_range_is_said_not_answered
     ('{"temperature": "0.7"}', 'temperature "0.7" is not a number'),
     ('{"max_new_tokens": 300, "max_new_tokens_chosen": "no"}', 'max_new_tokens_chosen "no" is not true or false'),
     ('{"reasoning": ["high"]}', 'reasoning ["high"] is not a reasoning value or null'),
+    ('{"topk": 40}', "topk is not a chat option: did you mean top_k?"),
+    ('{"temperature": 0.7, "colour": "blue"}', "colour is not a chat option (they are max_new_tokens, "
+     "max_new_tokens_chosen, temperature, top_k, top_p, repetition_penalty, seed, stop_strings, reasoning)"),
 ])
 def test_chat_options_the_settings_file_keeps_out_of_range_or_of_the_wrong_kind_are_said(qtbot, tmp_path, kept,
                                                                                           problem):
@@ -207,7 +210,8 @@ def test_chat_options_the_settings_file_keeps_out_of_range_or_of_the_wrong_kind_
     window did not open; a temperature of 99 or NaN, a top-p of -3, became the box's nearest (NaN its least) without a
     word. Of the wrong kind: a seed of 1e400 raised OverflowError (int() of infinity); a seed of 3.7 became 3, a top-k
     of true 1, a length 5.5 the user's 5, "no" chose the length, and a reasoning of ["high"] was dropped, all without a
-    word. Each is now said and set aside, and the chat starts from its defaults."""
+    word. Of no option: a misspelt topk left top-k at its default without a word. Each is now said and set aside, and
+    the chat starts from its defaults."""
     ini = str(tmp_path / "settings.ini")
     settings = QSettings(ini, QSettings.Format.IniFormat)
     settings.setValue("chat/options", kept)

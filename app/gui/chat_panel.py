@@ -5,6 +5,7 @@ while it streams ("Thinking…"), collapsed once the answer begins; a click open
 
 from __future__ import annotations
 
+import difflib
 import html
 import json
 import re
@@ -276,6 +277,12 @@ class ChatPanel(QWidget):
                 "reasoning": self.reasoning.currentData()}
 
     def set_options(self, options: dict) -> None:
+        known = list(self.options())
+        for key in options:  # (a misspelt one, topk, left its setting at the default without a word)
+            if key not in known:
+                near = difflib.get_close_matches(key, known, n=1)
+                raise ValueError(f"{key} is not a chat option" + (f": did you mean {near[0]}?" if near
+                                                                  else f" (they are {', '.join(known)})"))
         stops = options.get("stop_strings", [])
         if not isinstance(stops, list) or not all(isinstance(stop, str) for stop in stops):
             raise TypeError(f"stop_strings {json.dumps(stops)} is not a list of strings")
