@@ -540,6 +540,12 @@ UNUSABLE_BUDGETS = [
      "kv_tokens 1099511627776 is not a whole number of tokens from 1 to 2147483647"),
     ('{"path": "m", "budget": {"entries": {"session.moe.offload.device_expert_bytes": "-5"}}}',
      "session.moe.offload.device_expert_bytes='-5': expected an integer >= 0, in digits only"),
+    # (misspelt, each left its setting at the default without a word)
+    ('{"path": "m", "budget": {"kvtokens": 4096}}', "kvtokens is not a budget setting: did you mean kv_tokens?"),
+    ('{"path": "m", "budget": {"gpu": "cuda"}}', "gpu is not a budget setting (they are device, entries, kv_tokens, "
+     "layer_split, decode_path)"),
+    ('{"path": "m", "budget": {"device": {"kind": "simulated", "capacty": 4294967296}}}',
+     "capacty is not a device setting: did you mean capacity?"),
 ]
 
 

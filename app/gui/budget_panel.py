@@ -15,7 +15,8 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QFormLayout, QGroupBox, QHB
 
 from app.gui import theme
 from app.gui.estimate import GIB, DeviceChoice, Part, estimate, layer_summary
-from app.gui.widgets import ByteControl, LayerBars, SettingSpin, StackedBar, heading, legend_html, scrolled
+from app.gui.widgets import (ByteControl, LayerBars, SettingSpin, StackedBar, heading, legend_html, scrolled,
+                             unknown_key)
 from engine.errors import WorkbenchError
 from engine.offload import decode_path as paths
 from engine.offload.config import FLOAT32_MAX, INT32_MAX, PREFIX, UNUSED_KEYS, OffloadConfig, OffloadConfigError
@@ -762,9 +763,14 @@ def kept_settings_problem(settings) -> str:
     damaged) cannot be used ('' where they can)."""
     if not isinstance(settings, dict):
         return "no budget object in it"
+    if unknown := unknown_key(settings, ["device", "entries", "kv_tokens", "layer_split", "decode_path"],
+                              "budget setting"):
+        return unknown
     device = settings.get("device", {})
     if not isinstance(device, dict) or not _one_of(device.get("kind", "cpu"), DEVICES):
         return f'device {json.dumps(device)} is not {{"kind": cpu, simulated or cuda}}'
+    if unknown := unknown_key(device, ["kind", "capacity"], "device setting"):
+        return unknown
     capacity = device.get("capacity")
     if capacity is not None and (type(capacity) is not int or capacity < SIMULATED_MIN):  # as Simulated GPU refuses
         return f"device capacity {json.dumps(capacity)} is not a byte count of at least {SIMULATED_MIN}"

@@ -5,7 +5,6 @@ while it streams ("Thinking…"), collapsed once the answer begins; a click open
 
 from __future__ import annotations
 
-import difflib
 import html
 import json
 import re
@@ -20,7 +19,7 @@ from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFrame, QGridLayout, Q
 from app.gui import theme
 from app.gui.placement_view import split_text
 from app.gui.stream_pacing import Pacer
-from app.gui.widgets import MAX_ANSWER_TOKENS, AnswerLength, OneLineLabel
+from app.gui.widgets import MAX_ANSWER_TOKENS, AnswerLength, OneLineLabel, unknown_key
 from engine.offload.approximate import agreement_text
 from engine.units import counted, decode_rate, seconds_figures
 
@@ -277,12 +276,9 @@ class ChatPanel(QWidget):
                 "reasoning": self.reasoning.currentData()}
 
     def set_options(self, options: dict) -> None:
-        known = list(self.options())
-        for key in options:  # (a misspelt one, topk, left its setting at the default without a word)
-            if key not in known:
-                near = difflib.get_close_matches(key, known, n=1)
-                raise ValueError(f"{key} is not a chat option" + (f": did you mean {near[0]}?" if near
-                                                                  else f" (they are {', '.join(known)})"))
+        unknown = unknown_key(options, list(self.options()), "chat option")
+        if unknown:
+            raise ValueError(unknown)
         stops = options.get("stop_strings", [])
         if not isinstance(stops, list) or not all(isinstance(stop, str) for stop in stops):
             raise TypeError(f"stop_strings {json.dumps(stops)} is not a list of strings")

@@ -3,6 +3,7 @@ bar, per-layer bars, a banner."""
 
 from __future__ import annotations
 
+import difflib
 import html
 import math
 from decimal import Decimal
@@ -17,6 +18,17 @@ from app.gui import theme
 from app.gui.records_jobs import ANSWER_CHOICES, CHAT_SAMPLING, MODEL_SAMPLING
 from engine.sampling import RECORD_SEED
 from engine.units import counted, human_bytes, parse_bytes
+
+def unknown_key(kept: dict, known: list[str], what: str) -> str:
+    """Why a kept object (a settings file's, maybe hand-edited) cannot be used where one of its keys is none of
+    `known` ('' where each is): a misspelt one left its setting at the default without a word."""
+    for key in kept:
+        if key not in known:
+            near = difflib.get_close_matches(key, known, n=1)
+            return f"{key} is not a {what}" + (f": did you mean {near[0]}?" if near
+                                               else f" (they are {', '.join(known)})")
+    return ""
+
 
 def scrolled(widget: QWidget) -> QScrollArea:
     """`widget` in a frameless scroll area: the area it sits in may get smaller than the widget's minimum (a laptop's
