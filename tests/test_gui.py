@@ -357,6 +357,27 @@ def test_an_answer_length_kept_with_thousands_separators_is_said_as_that_not_as_
     assert settings.value("record/max_new_tokens.bad") == ["1", "000"]
 
 
+def test_counts_kept_with_a_unit_are_said_to_need_the_number_alone(qtbot, tmp_path):
+    """An answer length typed as 512 tokens, or sweep repeats as 3x, was refused as "512 tokens is not a length of 1 to
+    100000 tokens, or null", though 512 is one: the refusal did not say the unit was what it could not take. It now
+    says to write the number alone (not taken for it: 512k is no 512)."""
+    from engine.records.lengths import SWEEP_REPEATS
+
+    ini = tmp_path / "settings.ini"
+    ini.write_text("[record]\nmax_new_tokens=512 tokens\n[sweep]\nmax_new_tokens=2k\nrepeats=3x\n")
+    win = make_window(qtbot, tmp_path, nvml=False)
+    assert win.settings_banner.text().split("\n") == [
+        f"{ini}: the answer length kept under {key}/max_new_tokens cannot be used ({typed} is not a length of 1 to "
+        f"{MAX_ANSWER_TOKENS} tokens, or null: write the number alone, without a unit): its default is used; what "
+        f"was kept is now under {key}/max_new_tokens.bad there" for key, typed in (("record", "512 tokens"),
+                                                                                  ("sweep", "2k"))] + [
+        f"{ini}: the sweep's repeats kept under sweep/repeats cannot be used (3x is not a count of 1 to 9: write the "
+        f"number alone, without a unit): its default, {SWEEP_REPEATS}, is used; what was kept is now under "
+        "sweep/repeats.bad there"]
+    assert win.scenarios.max_tokens.chosen is None and win.sweep.repeats.value() == SWEEP_REPEATS
+    win.close()
+
+
 def test_kept_settings_left_empty_are_said_as_that(qtbot, tmp_path):
     """A theme, answers choice or sweep repeats left empty in a hand-edited settings file was said with nothing where
     the value goes: "( is not system, light or dark)". It is now said as an empty value. Recent models left empty

@@ -65,6 +65,12 @@ def settings_from_env() -> QSettings:
     return QSettings("moe-workbench", "moe-workbench")
 
 
+def unit_hint(text: str) -> str:
+    """What a refusal adds for a kept count typed with a unit or word after it (512 tokens, 3x): not taken, as 512k is
+    no 512."""
+    return ": write the number alone, without a unit" if re.fullmatch(r"\s*[0-9]+\s*[^\W\d]+\s*", text) else ""
+
+
 def saved_length(raw) -> int | None:
     """An answer length the settings keep: the user's, or None (the box's own: the model's, the sweep's) where none is
     kept; ValueError says one that does not fit (a hand-edited or older settings file)."""
@@ -77,7 +83,7 @@ def saved_length(raw) -> int | None:
         typed = ",".join(map(str, raw)) if isinstance(raw, list) else str(raw)
         if re.fullmatch(r"\d{1,3}([, ]\d{3})+", typed.strip()):
             raise ValueError(f"{typed} is not a whole number of tokens: thousands separators are not taken")
-        raise ValueError(f"{raw} is not a length of 1 to {MAX_ANSWER_TOKENS} tokens, or null")
+        raise ValueError(f"{raw} is not a length of 1 to {MAX_ANSWER_TOKENS} tokens, or null{unit_hint(typed)}")
     return tokens
 
 
@@ -145,7 +151,7 @@ def saved_repeats(raw) -> int:
         return SWEEP_REPEATS
     text = str(raw).strip()
     if not (text.isdigit() and 1 <= int(text) <= REPEATS_MAX):
-        raise ValueError(f"{as_kept(raw)} is not a count of 1 to {REPEATS_MAX}")
+        raise ValueError(f"{as_kept(raw)} is not a count of 1 to {REPEATS_MAX}{unit_hint(text)}")
     return int(text)
 
 
