@@ -556,6 +556,13 @@ UNUSABLE_BUDGETS = [
     # (the Budgets panel took a simulated GPU of 5 B, which typed there is refused)
     ('{"path": "m", "budget": {"device": {"kind": "simulated", "capacity": 5}}}',
      "device capacity 5 is not a byte count of at least 1048576"),
+    # (said no more than that, as though 8 GiB were not one)
+    ('{"path": "m", "budget": {"device": {"kind": "simulated", "capacity": "8 GiB"}}}',
+     'device capacity "8 GiB" is not a byte count of at least 1048576 (write it as a number: 8589934592)'),
+    ('{"path": "m", "budget": {"device": {"kind": "simulated", "capacity": "8589934592"}}}',
+     'device capacity "8589934592" is not a byte count of at least 1048576 (write it as a number: 8589934592)'),
+    ('{"path": "m", "budget": {"device": {"kind": "simulated", "capacity": "5 KiB"}}}',
+     'device capacity "5 KiB" is not a byte count of at least 1048576'),
     # (raised OverflowError from the box as the model opened)
     ('{"path": "m", "budget": {"kv_tokens": 1099511627776}}',
      "kv_tokens 1099511627776 is not a whole number of tokens from 1 to 2147483647"),

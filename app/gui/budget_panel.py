@@ -22,7 +22,7 @@ from engine.offload import decode_path as paths
 from engine.offload.config import FLOAT32_MAX, INT32_MAX, PREFIX, UNUSED_KEYS, OffloadConfig, OffloadConfigError
 from engine.offload.planner import all_resident_bytes, split_choosable
 from engine.records.configurations import configurations_for, own_of, own_problem
-from engine.units import counted, human_bytes
+from engine.units import counted, human_bytes, parse_bytes
 from kernels.gpu.host_tier import TIER_GRANULE
 
 DEVICES = (("cpu", "CPU only"), ("simulated", "Simulated GPU (size you choose)"), ("cuda", "CUDA GPU"))
@@ -773,7 +773,9 @@ def kept_settings_problem(settings) -> str:
         return unknown
     capacity = device.get("capacity")
     if capacity is not None and (type(capacity) is not int or capacity < SIMULATED_MIN):  # as Simulated GPU refuses
-        return f"device capacity {json.dumps(capacity)} is not a byte count of at least {SIMULATED_MIN}"
+        size = _text_size(capacity)
+        return (f"device capacity {json.dumps(capacity)} is not a byte count of at least {SIMULATED_MIN}"
+                + (f" (write it as a number: {size})" if size >= SIMULATED_MIN else ""))
     kv_tokens = settings.get("kv_tokens")
     # (one past the model's longest sequence is that: the cache never grows past it; past 32 bits the box raises)
     if kv_tokens is not None and (type(kv_tokens) is not int or not 1 <= kv_tokens <= INT32_MAX):
@@ -786,6 +788,14 @@ def kept_settings_problem(settings) -> str:
     if not isinstance(entries, dict):
         return "entries is not an object of offload keys"
     return _entries_problem(entries)
+
+
+def _text_size(value) -> int:
+    """The bytes a kept size typed as a text means ("8 GiB", "8589934592", as the window's boxes take it), else 0."""
+    try:
+        return (parse_bytes(value) or 0) if isinstance(value, str) else 0
+    except ValueError:
+        return 0
 
 
 def _one_of(value, choices) -> bool:
