@@ -378,6 +378,48 @@ def test_counts_kept_with_a_unit_are_said_to_need_the_number_alone(qtbot, tmp_pa
     win.close()
 
 
+def test_settings_file_keys_the_window_never_reads_are_said_with_the_nearest_and_left(qtbot, tmp_path):
+    """A setting typed by hand under a key the window never reads (chat/option for chat/options, recnt for recent)
+    was passed over without a word: the user saw their edit do nothing. Each such key is now said, with the key it is
+    near; it is left in the file. Models' budgets (under their folder's hash) and values set aside (.bad) are not."""
+    ini = tmp_path / "settings.ini"
+    key = MainWindow._model_key("/m")
+    ini.write_text(f'[General]\nrecnt=x\ncolour=blue\n[chat]\noption={{}}\n[models]\n{key.split("/")[1]}={{}}\n'
+                   "[view]\ntheme.bad=purple\ntheme.bad2=blue\n")
+    win = make_window(qtbot, tmp_path, nvml=False)
+    assert win.settings_banner.text().split("\n") == [
+        f"{ini}: chat/option is not a setting the workbench keeps (did you mean chat/options?): it is not used, and "
+        "left there",
+        f"{ini}: colour is not a setting the workbench keeps: it is not used, and left there",
+        f"{ini}: recnt is not a setting the workbench keeps (did you mean recent?): it is not used, and left there"]
+    win.close()
+    settings = QSettings(str(ini), QSettings.Format.IniFormat)
+    assert [settings.value(k) for k in ("recnt", "colour", "chat/option")] == ["x", "blue", "{}"]
+
+
+def test_keys_of_the_organisations_settings_file_are_not_said_as_the_users(qtbot, tmp_path):
+    """Qt's allKeys() lists the keys of the fallback files too (the organisation's, the system's, on macOS the global
+    domain): each was said as a key of the user's file the window never reads."""
+    from PySide6.QtCore import QStandardPaths
+
+    (tmp_path / "moe-workbench").mkdir()
+    (tmp_path / "moe-workbench.ini").write_text("[General]\ncolour=blue\n")  # the organisation's, shared
+    ini = tmp_path / "moe-workbench" / "moe-workbench.ini"
+    ini.write_text("[General]\nrecnt=x\n")
+    default = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.GenericConfigLocation)
+    QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, str(tmp_path))
+    try:
+        settings = QSettings(QSettings.Format.IniFormat, QSettings.Scope.UserScope, "moe-workbench", "moe-workbench")
+        assert settings.value("colour") == "blue"  # (the fallback is read)
+        win = MainWindow(settings=settings, sample_interval_ms=200, demo_dir=str(tmp_path / "demo"), nvml=False)
+        qtbot.addWidget(win)
+    finally:
+        QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, default)
+    assert win.settings_banner.text() == (f"{ini}: recnt is not a setting the workbench keeps (did you mean recent?): "
+                                          "it is not used, and left there")
+    win.close()
+
+
 def test_kept_settings_left_empty_are_said_as_that(qtbot, tmp_path):
     """A theme, answers choice or sweep repeats left empty in a hand-edited settings file was said with nothing where
     the value goes: "( is not system, light or dark)". It is now said as an empty value. Recent models left empty
@@ -604,13 +646,13 @@ def test_a_settings_file_that_cannot_be_read_is_said_and_a_malformed_one_kept_be
     """Qt reads what it can of a malformed settings file and rewrites it without the rest at the next save; an
     unreadable one (permissions, a folder) gives the defaults. Both were silent."""
     ini = tmp_path / "settings.ini"
-    ini.write_text("[models]\nabc=1\n[[[\n")
+    ini.write_text("[view]\ntheme=dark\n[[[\n")
     win = make_window(qtbot, tmp_path, nvml=False)
     assert win.settings_banner.isVisible() and win.settings_banner.text() == (
         f"{ini}: not a well-formed settings file: what could be read is used, and the file as it was is kept as "
         f"{ini}.bad")
     win.close()
-    assert (tmp_path / "settings.ini.bad").read_text() == "[models]\nabc=1\n[[[\n"
+    assert (tmp_path / "settings.ini.bad").read_text() == "[view]\ntheme=dark\n[[[\n"
     ini.unlink()
     ini.mkdir()
     win = make_window(qtbot, tmp_path, nvml=False)
@@ -633,15 +675,15 @@ def test_a_second_malformed_settings_file_is_kept_beside_the_first_not_over_it(q
     file replaced the first one kept. Now the second goes to settings.ini.bad2 (as a model's budgets go to
     <key>.bad2); the same file found again is not kept twice."""
     ini = tmp_path / "settings.ini"
-    for text, kept in (("[models]\nabc=1\n[[[\n", "bad"), ("[chat\nx=2\n", "bad2"),
-                       ("[chat\nx=2\n", "bad2")):
+    for text, kept in (("[view]\ntheme=dark\n[[[\n", "bad"), ("[chat\nsystem_prompt=hi\n", "bad2"),
+                       ("[chat\nsystem_prompt=hi\n", "bad2")):
         ini.write_text(text)
         win = make_window(qtbot, tmp_path, nvml=False)
         assert win.settings_banner.text() == (f"{ini}: not a well-formed settings file: what could be read is used, "
                                               f"and the file as it was is kept as {ini}.{kept}")
         win.close()
-    assert (tmp_path / "settings.ini.bad").read_text() == "[models]\nabc=1\n[[[\n"
-    assert (tmp_path / "settings.ini.bad2").read_text() == "[chat\nx=2\n"
+    assert (tmp_path / "settings.ini.bad").read_text() == "[view]\ntheme=dark\n[[[\n"
+    assert (tmp_path / "settings.ini.bad2").read_text() == "[chat\nsystem_prompt=hi\n"
     assert not (tmp_path / "settings.ini.bad3").exists()
 
 

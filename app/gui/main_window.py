@@ -6,6 +6,7 @@ The engine runs in one worker thread (app.gui.engine_worker), the telemetry samp
 
 from __future__ import annotations
 
+import difflib
 import filecmp
 import hashlib
 import itertools
@@ -500,6 +501,27 @@ class MainWindow(QMainWindow):
             self.sweep.repeats.setValue(saved_repeats(s.value("sweep/repeats")))
         except ValueError as exc:
             self._refuse_kept("sweep/repeats", "sweep's repeats", str(exc), f"its default, {SWEEP_REPEATS}, is used")
+        self._say_unknown_keys()
+
+    def _say_unknown_keys(self) -> None:
+        """Say the keys of the settings file that the window never reads (chat/option typed for chat/options): a
+        setting edited by hand under one would otherwise be passed over without a word."""
+        known = ["window/geometry", "window/state", "view/theme", "chat/options", "chat/system_prompt", "recent",
+                 *(f"{key}/max_new_tokens" for key in self.answer_lengths),
+                 *(f"{key}/answers" for key in self.answer_choices), "sweep/repeats"]
+        # the file's own keys: with fallbacks Qt lists those of the organisation's and the system's files too (and on
+        # macOS the global domain's), which are neither the user's to fix nor in this file
+        fallbacks = self.settings.fallbacksEnabled()
+        self.settings.setFallbacksEnabled(False)
+        keys = self.settings.allKeys()
+        self.settings.setFallbacksEnabled(fallbacks)
+        for key in keys:
+            # a model's budgets are kept under its folder's hash, and an unusable value under its key with .bad added
+            if key in known or re.fullmatch(r"models/[0-9a-f]{16}|.+\.bad[0-9]*", key):
+                continue
+            near = difflib.get_close_matches(key, known, n=1)
+            self._warn_settings(f"{self.settings.fileName()}: {key} is not a setting the workbench keeps"
+                                + (f" (did you mean {near[0]}?)" if near else "") + ": it is not used, and left there")
 
     def _refuse_kept(self, key: str, what: str, problem: str, instead: str) -> None:
         """Say a kept value that cannot be used, and move it aside so that the next save does not write over it."""
