@@ -603,6 +603,18 @@ def test_popularity_counts_written_as_floats_or_shares_are_read(tmp_path):
     assert load_popularity(str(path), ["N"], [4])[0].tolist() == [120.0, 0.0, 1000.0, 0.25]
 
 
+def test_a_popularity_file_that_is_gone_or_a_folder_is_said_once_by_name(tmp_path):
+    """A popularity file moved since the settings kept it was said as "/m/p.json: cannot read the popularity file
+    ([Errno 2] No such file or directory: '/m/p.json')", its path twice and Python's errno in the user's words."""
+    from engine.errors import WorkbenchError
+    from engine.offload.engine import load_popularity
+
+    for path, said in ((tmp_path / "moved.json", "No such file or directory"), (tmp_path, "Is a directory")):
+        with pytest.raises(WorkbenchError) as raised:
+            load_popularity(str(path), ["N"], [4])
+        assert str(raised.value) == f"{path}: cannot read the popularity file ({said})"
+
+
 def test_a_popularity_file_that_is_not_utf8_text_is_one_line_naming_it(tmp_path, cli):
     """A binary or UTF-16 file given as popularity_file was an internal error (UnicodeDecodeError) at load."""
     path = tmp_path / "popularity.json"

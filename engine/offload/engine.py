@@ -101,7 +101,9 @@ def read_popularity(path: str, names: list[str], experts: list[int]) -> tuple[li
         said = "is empty" if not raw.strip() else f"is not valid JSON ({exc})"
         raise WorkbenchError(f"{path}: the popularity file {said}") from None
     except (OSError, ValueError) as exc:  # ValueError: an integer past Python's digit limit
-        raise WorkbenchError(f"{path}: cannot read the popularity file ({exc})") from None
+        # (an OSError's own words name the path again: "[Errno 2] No such file or directory: '/m/p.json'")
+        said = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise WorkbenchError(f"{path}: cannot read the popularity file ({said})") from None
     if not isinstance(data, dict):
         raise WorkbenchError(f"{path}: the popularity file holds a JSON {type(data).__name__}, not an object of node "
                              "names to counts per expert")
