@@ -689,13 +689,13 @@ def test_a_second_malformed_settings_file_is_kept_beside_the_first_not_over_it(q
 
 UNUSABLE_RECENT = [
     ("{not json", '{not json is not JSON: in the file, each of its quotes needs a backslash (\\"), or Qt drops it'),
-    ('{"/m": 1}', "not a list of paths"),
-    ('["/m", 3]', "not a list of paths"),
-    ('"/m"', "not a list of paths"),  # (its letters were the recent models)
+    ('{"/m": 1}', '{"/m": 1} is not a list of paths'),
+    ('["/m", 3]', '["/m", 3] is not a list of paths'),
+    ('"/m"', '"/m" is not a list of paths'),  # (its letters were the recent models)
 ]
 UNUSABLE_CHAT_OPTIONS = [
     ("[1", "[1 is not JSON: Expecting ',' delimiter at character 3 of it"),
-    ('["/m"]', "not a JSON object"),
+    ('["/m"]', '["/m"] is not a JSON object'),
     ('{"top_k": "many"}', 'top_k "many" is not a whole number'),
     ('{"stop_strings": "END"}', 'stop_strings "END" is not a list of strings'),
 ]
@@ -708,7 +708,8 @@ def test_a_malformed_recent_list_or_chat_options_are_said_and_kept_aside(qtbot, 
     """The settings file's recent models list and chat options that could not be read were dropped silently (and the
     next save wrote over them); chat options not an object ("[...]") stopped the window opening, and stop_strings
     "END" became the stop strings E, N and D. Each is now said, on a line of its own, and kept under a key of its
-    own; the window starts from the defaults there."""
+    own; the window starts from the defaults there. A recent list or chat options of the wrong kind were said as "not a
+    list of paths", "not a JSON object", without what was read: it is named, as other refusals name it."""
     ini = str(tmp_path / "settings.ini")
     settings = QSettings(ini, QSettings.Format.IniFormat)
     settings.setValue("recent", recent)

@@ -472,7 +472,7 @@ class MainWindow(QMainWindow):
             else:
                 try:
                     if not isinstance(options, dict):
-                        raise TypeError("not a JSON object")
+                        raise TypeError(f"{json.dumps(options)} is not a JSON object")
                     self.chat.set_options(options)
                     problem = ""
                 except (ValueError, TypeError) as exc:
@@ -607,7 +607,7 @@ class MainWindow(QMainWindow):
         else:
             if isinstance(paths, list) and all(isinstance(p, str) for p in paths):
                 return paths
-            problem = "not a list of paths"
+            problem = f"{json.dumps(paths)} is not a list of paths"
         self._refuse_kept("recent", "recent models", problem, "Open recent starts empty")
         return []
 
