@@ -199,6 +199,10 @@ def test_a_chat_length_the_settings_file_keeps_out_of_range_is_said_not_answered
     ('{"max_new_tokens": 5.5}', "max_new_tokens 5.5 is not a whole number"),
     ('{"temperature": "0.7"}', 'temperature "0.7" is not a number'),
     ('{"max_new_tokens": 300, "max_new_tokens_chosen": "no"}', 'max_new_tokens_chosen "no" is not true or false'),
+    # (copied from Python: said as "Expecting value at character 50 of it")
+    ('{"max_new_tokens": 300, "max_new_tokens_chosen": True}',
+     '{"max_new_tokens": 300, "max_new_tokens_chosen": True} is not JSON: JSON writes True as true'),
+    ('{"reasoning": None}', '{"reasoning": None} is not JSON: JSON writes None as null'),
     ('{"reasoning": ["high"]}', 'reasoning ["high"] is not a reasoning value or null'),
     ('{"topk": 40}', "topk is not a chat option: did you mean top_k?"),
     ('{"temperature": 0.7, "colour": "blue"}', "colour is not a chat option (they are max_new_tokens, "

@@ -133,6 +133,10 @@ def kept_json(raw):
     except json.JSONDecodeError as exc:
         if exc.pos < len(raw) and raw[exc.pos] == "'":
             raise ValueError(f"{raw} {SINGLE_QUOTES}") from None
+        # a value copied from Python: its True, False and None are not JSON's
+        if python := re.match(r"(True|False|None)\b", raw[exc.pos:]):
+            json_word = {"True": "true", "False": "false", "None": "null"}[python[1]]
+            raise ValueError(f"{raw} is not JSON: JSON writes {python[1]} as {json_word}") from None
         # Qt drops a quote with no backslash before it: {"top_k": 40} typed in the file reads as {top_k: 40}, which
         # JSON refuses where a quoted text should start (every object or list these settings keep holds texts)
         if (raw.lstrip().startswith(("{", "[")) and '"' not in raw
