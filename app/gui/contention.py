@@ -175,9 +175,9 @@ class ThroughputWatch:
     The current value is the median of the last few measurements, so that one slow quarter-second does not raise
     the banner. The usual level is the upper quartile of the last `window` measurements since a load or a re-plan
     (MainWindow resets it at each: another plan's rate is not this one's), the very first left out (it can include
-    kernel compilation). A high quantile, so that the first cold measurements (the experts' pages still being mapped in) do
-    not lower it and hide a competitor that came later; over a window, where the best since the start (as it was)
-    kept a fast spell's rate until the next Apply, and normal speed after it read as contention. A spell under a
+    kernel compilation). A high quantile, so that the first cold measurements (the experts' pages still being mapped
+    in) do not lower it and hide a competitor that came later; over a window, where the best since the start (as it
+    was) kept a fast spell's rate until the next Apply, and normal speed after it read as contention. A spell under a
     quarter of the window moves the level not at all, and a competitor that stays is said until it fills three
     quarters of it (7.5 minutes of decode): by then its speed is what this machine gives, not a drop."""
     window: int = 2400  # measurements: 10 minutes of decode at the worker's one every 0.25 s (STATS_INTERVAL_S)
