@@ -276,14 +276,6 @@ class OnnxFile:
                 raise DataFileChanged(f"{self.folder / location}: changed since the model was loaded (written to in "
                                       "place); load the model again", "written to in place")
 
-    def check_mapped_sizes(self) -> None:
-        """check_mapped_files' refusal of a mapped data file truncated since it was mapped, alone: placement's moves
-        read the mapped experts, past the new end of one a read kills the process (SIGBUS)."""
-        for location, mapping in self._maps.items():
-            size = mapping.size()
-            if size < self._data_needs[location]:
-                raise self._cut_short(location, size)
-
     def _cut_short(self, location: str, size: int) -> DataFileChanged:
         return DataFileChanged(f"{self.folder / location}: truncated since the model was loaded: it has {size} bytes "
                                f"of the {self._data_needs[location]} its initializers take; load the model again",

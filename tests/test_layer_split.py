@@ -302,12 +302,11 @@ def test_a_re_plan_the_trials_ask_for_refused_on_a_data_file_written_in_place_st
 
 def test_a_failed_re_plans_check_of_the_data_files_reads_each_size_once(model_folder, monkeypatch):
     """What stopped a failed re-plan's answer (_file_refusal) read each mapped data file's size twice: once for a file
-    cut short (check_mapped_sizes, mmap.size), then again with the file's time (check_mapped_files, fstat). The one
+    cut short (mmap.size, a check since removed), then again with the file's time (check_mapped_files, fstat). The one
     fstat a file tells both, the refusal saying which."""
     _model, engine = half_budget_engine(model_folder)
     source = engine.host_cache.source
-    sizes, fstat, reads = source.check_mapped_sizes, os.fstat, []
-    monkeypatch.setattr(source, "check_mapped_sizes", lambda: (reads.extend(source._maps), sizes())[1])
+    fstat, reads = os.fstat, []
     monkeypatch.setattr(os, "fstat", lambda fd: (reads.append(fd), fstat(fd))[1])
     assert engine._file_refusal() == (None, None)
     assert len(reads) == len(source._maps) == 1

@@ -4,6 +4,7 @@ budgets enforced, placement that finds the hot set, re-planning without a reload
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -1123,15 +1124,33 @@ def test_an_apply_after_the_data_file_was_truncated_is_refused_by_name_not_a_cra
         "initializers take; load the model again", "True True True False"]
 
 
-def test_a_data_file_truncated_during_a_step_stops_the_answer_at_its_safe_point_before_placement_moves(model_folder,
-                                                                                                       tmp_path):
-    """The decoder checks the mapped files' sizes before each step, not after: placement's moves at the step's safe
-    point copy experts from the mapped file (on a card, read by the CPU into the pinned ring), and past the end of a
-    data file cut short during the step that read killed the process (SIGBUS). The safe point checks first: the
-    answer stops there with the refusal naming the file, placement's tables as they were, no expert copied. (Cut
-    short by a few bytes, its last page kept: the simulated device copies nothing, and this process lives to fail.)"""
-    import os
+def _cut_short(data, size: int) -> str:
+    """Cut `data` short by a few bytes, its last page kept (the simulated device copies nothing, and a process that
+    reads on regardless lives to fail); the refusal that names it."""
+    os.truncate(data, size - 4)
+    return (f"{data}: truncated since the model was loaded: it has {size - 4} bytes of the {size} its initializers "
+            "take; load the model again")
 
+
+def _written_in_place(data, size: int) -> str:
+    """Write to `data` in place at its size, its modification time past the timestamps' granularity; the refusal."""
+    with open(data, "r+b") as file:
+        file.write(b"\0")
+    stamp = data.stat()
+    os.utime(data, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 1_000_000))
+    return f"{data}: changed since the model was loaded (written to in place); load the model again"
+
+
+@pytest.mark.parametrize("change", [_cut_short, _written_in_place], ids=["cut short", "written to in place"])
+def test_a_data_file_changed_during_a_step_stops_the_answer_at_its_safe_point_before_placement_moves(model_folder,
+                                                                                                     tmp_path, change):
+    """The decoder checks the mapped files before each step, not after: placement's moves at the step's safe point
+    copy experts from the mapped file (on a card, read by the CPU into the pinned ring). Past the end of a data file
+    cut short during the step that read killed the process (SIGBUS); from one written to in place during the step it
+    copied other weights than the loaded model's, since the safe point checked the sizes only (the answer stopped at
+    the next step's check, those experts already moved). The safe point makes the step's check, sizes and modification
+    times: the answer stops there with the refusal naming the file, placement's tables as they were, no expert
+    copied."""
     from engine.errors import ModelFileError
     from engine.generation import GenerationParams, generate
 
@@ -1173,11 +1192,11 @@ def test_a_data_file_truncated_during_a_step_stops_the_answer_at_its_safe_point_
     assert seen["after"][0] > seen["before"][0]
 
     model = half_budget()
-    seen = first_decode_safe_point(model, lambda: os.truncate(data, size - 4))
+    said = []
+    seen = first_decode_safe_point(model, lambda: said.append(change(data, size)))
     with pytest.raises(ModelFileError) as refused:
         generate(model, model.new_state(), [], model.tokenizer.encode(prompt), GenerationParams(max_new_tokens=8))
-    assert str(refused.value) == (f"{data}: truncated since the model was loaded: it has {size - 4} bytes of the "
-                                  f"{size} its initializers take; load the model again")
+    assert said and str(refused.value) == said[0]
     assert "after" not in seen and model.decoder.profile["steps"] == 1  # the prefill's: stopped at the safe point
     assert (moves(model.offload), [layer.expert_in.tolist() for layer in model.offload.slots]) == seen["before"]
 

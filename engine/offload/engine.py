@@ -960,9 +960,11 @@ class OffloadEngine(DenseLanding):
             limit = None if step_s is None else self.swap_allowance.grant(step_s)
             if limit != 0 and self.host_cache.source is not None:
                 # placement's moves copy experts from the mapped file: past the end of a data file cut short since
-                # the step's check a read kills the process (SIGBUS), so the answer stops here by name, before
-                # placement changes its tables (1-2 µs a file, dev VM; none where nothing may move)
-                self.host_cache.source.check_mapped_sizes()
+                # the step's check a read kills the process (SIGBUS), and one written to in place since would put
+                # other weights than the loaded model's in the slots, so the answer stops here by name, before
+                # placement changes its tables (the step's check: one fstat a file, ~4 µs on the dev VM; none where
+                # nothing may move)
+                self.host_cache.source.check_mapped_files()
             self.swap_allowance.spent(self._apply(self.policy.rebalance(limit)))
             self.stats.pinned = self.pinned_info()
 
