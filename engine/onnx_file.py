@@ -125,8 +125,10 @@ class OnnxFile:
         self._fold_constants()
         self.initializers: dict[str, onnx.TensorProto] = {t.name: t for t in self.proto.graph.initializer}
         self._maps: dict[str, mmap.mmap] = {}
-        # each mapped data file, kept open, and its modification time when mapped (check_mapped_files)
-        self._mapped_files: dict[str, tuple[BinaryIO, int]] = {}
+        # each data file's modification time when the folder was opened, which its mapping (made at the load, later)
+        # and every check of the mapped files after it (check_mapped_files) are held against
+        self._opened_mtimes: dict[str, int] = {}
+        self._mapped_files: dict[str, BinaryIO] = {}  # each mapped data file, kept open (check_mapped_files)
         # each initializer's external data (None: inline), parsed once: release_pages runs at every copy of an expert
         # to the device under a bounded host cache (HostExpertCache), and parsing took 2.5 of its 4 µs
         self._refs: dict[str, ExternalRef | None] = {}
@@ -187,9 +189,10 @@ class OnnxFile:
                     raise ModelFileError(f"{data_path}: {not_a_file(data_path)} (external data of initializer '{tensor.name}')")
                 try:
                     with open(data_path, "rb") as data:  # read when mapped: said now, not at the load
-                        sizes[ref.location] = os.fstat(data.fileno()).st_size
+                        stat = os.fstat(data.fileno())
                 except OSError as exc:
                     raise ModelFileError(f"{data_path}: not readable ({exc.strerror or exc})") from None
+                sizes[ref.location], self._opened_mtimes[ref.location] = stat.st_size, stat.st_mtime_ns
             expected = self.tensor_nbytes(tensor)
             length = expected if ref.length < 0 else ref.length
             if length != expected:
@@ -250,6 +253,8 @@ class OnnxFile:
                 if size < needs:  # rewritten since it was checked
                     raise ModelFileError(f"{path}: truncated since the model folder was opened: it has {size} bytes "
                                          f"of the {needs} its initializers take")
+                if stat.st_mtime_ns != self._opened_mtimes[location]:  # other bytes than the folder was opened with
+                    raise ModelFileError(f"{path}: changed since the model folder was opened (written to or replaced)")
                 mapping = mmap.mmap(data.fileno(), 0, access=mmap.ACCESS_READ)
             except BaseException:
                 data.close()
@@ -258,21 +263,21 @@ class OnnxFile:
             # with this object: an open file collected unclosed warns)
             weakref.finalize(self, data.close)
             self._maps[location] = mapping
-            self._mapped_files[location] = (data, stat.st_mtime_ns)
+            self._mapped_files[location] = data
         return mapping
 
     def check_mapped_files(self) -> None:
         """Refuse, naming the file, where a mapped data file was truncated since it was mapped (the folder rewritten in
         place): a read past its new end kills the process (SIGBUS); or written to in place at any size (its
-        modification time moved): the mapping shows the new bytes, so the weights would change under the loaded model
-        unsaid. A file deleted or replaced by another keeps its mapping whole, the loaded file's bytes: the file kept
-        open is the mapped one, not the path's. One fstat a mapped file, about 4 µs on the dev VM (the size alone,
-        mmap.size, took 2): the decoder checks before every step."""
-        for location, (data, mtime) in self._mapped_files.items():
+        modification time other than when the folder was opened): the mapping shows the new bytes, so the weights
+        would change under the loaded model unsaid. A file deleted or replaced by another keeps its mapping whole, the
+        loaded file's bytes: the file kept open is the mapped one, not the path's. One fstat a mapped file, about 4 µs
+        on the dev VM (the size alone, mmap.size, took 2): the decoder checks before every step."""
+        for location, data in self._mapped_files.items():
             stat = os.fstat(data.fileno())
             if stat.st_size < self._data_needs[location]:
                 raise self._cut_short(location, stat.st_size)
-            if stat.st_mtime_ns != mtime:
+            if stat.st_mtime_ns != self._opened_mtimes[location]:
                 raise DataFileChanged(f"{self.folder / location}: changed since the model was loaded (written to in "
                                       "place); load the model again", "written to in place")
 

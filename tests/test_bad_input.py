@@ -799,6 +799,31 @@ def test_external_data_cut_short_after_the_folder_was_opened_is_named_at_the_loa
         LoadedModel(opened)
 
 
+def test_a_data_file_written_to_or_replaced_after_the_folder_was_opened_is_named_at_the_load(copy_fixture):
+    """A data file's modification time was taken when it was mapped, at the load, not when the folder was opened (its
+    size checked): one written to in place at its size in between had the load read its new bytes under the graph
+    opened before, and every later check hold them as the loaded model's. Its time is taken at the opening, the load
+    refusing a file whose time moved since, written to in place or replaced by another, naming it."""
+    from engine.errors import ModelFileError
+    from engine.generation import LoadedModel
+    from engine.model_folder import ModelFolder
+
+    folder = copy_fixture("gptoss")
+    data = folder / "model.onnx.data"
+    said = rf"^{re.escape(str(data))}: changed since the model folder was opened \(written to or replaced\)$"
+    opened = ModelFolder.open(folder)
+    _write_in_place(data)
+    with pytest.raises(ModelFileError, match=said):
+        LoadedModel(opened)
+    opened = ModelFolder.open(folder)
+    fresh = folder.parent / "fresh.data"
+    fresh.write_bytes(data.read_bytes())
+    os.replace(fresh, data)
+    with pytest.raises(ModelFileError, match=said):
+        LoadedModel(opened)
+    LoadedModel(ModelFolder.open(folder)).folder.onnx.check_mapped_files()  # opened again: loaded, and held as loaded
+
+
 def test_a_data_file_rewritten_in_place_at_its_size_after_the_load_is_refused_by_name(copy_fixture):
     """The experts are read from a shared mapping of the data file: one rewritten in place at the same size after the
     load (other weights written over it) changed the loaded model's weights unsaid, since only the size was checked.
