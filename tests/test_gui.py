@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import threading
 from pathlib import Path
@@ -1641,6 +1642,30 @@ def test_a_data_file_truncated_after_the_load_is_refused_by_name_not_a_crash(qtb
     qtbot.waitUntil(lambda: window.loaded_path is None and not window.busy, timeout=WAIT)
     load(qtbot, window, folder)
     assert ask(qtbot, window, "Hello", 4)["result"]["finish_reason"] == "length"
+
+
+def test_a_data_file_replaced_after_the_load_answers_from_the_loaded_bytes_and_the_next_load_from_recent_reads_it(
+        qtbot, window, copy_fixture):
+    """A data file replaced by another after the load (written anew and renamed over it, as an export may do) is not
+    refused: the loaded model's mapping is of the file it loaded, kept open, and it answers from those bytes. Opened
+    from Recent and loaded again, the model reads the new file."""
+    folder = copy_fixture("lfm2moe")
+    load(qtbot, window, folder)
+    data = folder / "model.onnx.data"
+    whole = data.read_bytes()
+    fresh = folder.parent / "fresh.data"
+    fresh.write_bytes(bytes(16) + whole[16:])  # the first initializer's first bytes zeroed
+    os.replace(fresh, data)
+    loaded = window.worker._model
+    assert ask(qtbot, window, "Hello", 4)["result"]["finish_reason"] == "length" and not window.error_banner.isVisible()
+    assert loaded.folder.onnx.mapping("model.onnx.data")[:16] == whole[:16] != bytes(16)
+    assert window.recent_menu.actions()[0].text() == str(folder)
+    window.recent_menu.actions()[0].trigger()
+    qtbot.waitUntil(lambda: not (window.busy or window._waiting), timeout=WAIT)
+    window.load()
+    qtbot.waitUntil(lambda: not window.busy and window.worker._model not in (None, loaded), timeout=WAIT)
+    assert window.worker._model.folder.onnx.mapping("model.onnx.data")[:16] == bytes(16)
+    assert ask(qtbot, window, "Hello", 4)["result"]["finish_reason"] == "length" and not window.error_banner.isVisible()
 
 
 def test_regenerate_after_an_answer_that_failed_midway_answers_that_message(qtbot, window, monkeypatch):

@@ -64,6 +64,19 @@ def test_the_readme_says_how_many_steps_a_sweep_point_settles_for_at_most():
     assert f"until none is under way or due (up to {SETTLE_STEPS_MAX} steps;" in README.replace("\n", " ")
 
 
+def test_the_readme_says_what_a_data_file_changed_after_the_load_does():
+    """A data file replaced by another after the load is let be (the loaded model answers from the file it mapped, and
+    the next load reads the new one: test_gui's test of it), where one cut short or written to in place is refused:
+    the README said neither, and a user who exported a model again into a loaded one's folder could not tell which
+    weights answered."""
+    said = README.replace("\n  ", " ")
+    assert ("a data file cut short or written to in place since (the model exported again into its folder) fails the "
+            "load, or stops the answer, run or re-plan before it reads the file, in a line naming it") in said
+    assert ("One deleted or replaced by another file after the load (written anew and renamed over it) is not refused: "
+            "the loaded model answers from the file it loaded, and the next load, Recent's included, reads the file "
+            "then in the folder.") in said
+
+
 def test_every_offload_setting_the_readme_names_is_one_offload_config_takes():
     from dataclasses import fields
 
