@@ -362,6 +362,20 @@ def test_an_answer_length_kept_with_thousands_separators_is_said_as_that_not_as_
     assert settings.value("record/max_new_tokens.bad") == ["1", "000"]
 
 
+def test_an_answer_length_qt_split_at_a_comma_is_said_as_typed(qtbot, tmp_path):
+    """An answer length with a comma that is no thousands separator (512,lots) was said as Qt's list of its parts:
+    "['512', 'lots'] is not a length of 1 to 100000 tokens, or null". It is now said as typed, as other kept values
+    are (as_kept)."""
+    ini = tmp_path / "settings.ini"
+    ini.write_text("[record]\nmax_new_tokens=512,lots\n")
+    win = make_window(qtbot, tmp_path, nvml=False)
+    assert win.settings_banner.text() == (
+        f"{ini}: the answer length kept under record/max_new_tokens cannot be used (512,lots is not a length of 1 to "
+        f"{MAX_ANSWER_TOKENS} tokens, or null): its default is used; what was kept is now under "
+        "record/max_new_tokens.bad there")
+    win.close()
+
+
 def test_counts_kept_with_a_unit_are_said_to_need_the_number_alone(qtbot, tmp_path):
     """An answer length typed as 512 tokens, or sweep repeats as 3x, was refused as "512 tokens is not a length of 1 to
     100000 tokens, or null", though 512 is one: the refusal did not say the unit was what it could not take. It now

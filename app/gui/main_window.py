@@ -81,10 +81,10 @@ def saved_length(raw) -> int | None:
         tokens = raw
     if tokens is not None and (type(tokens) is not int or not 1 <= tokens <= MAX_ANSWER_TOKENS):
         # Qt reads 1,000 as the list ["1", "000"]. Not taken as a thousand: where a comma marks decimals it is one
-        typed = ",".join(map(str, raw)) if isinstance(raw, list) else str(raw)
+        typed = as_kept(raw)
         if re.fullmatch(r"\d{1,3}([, ]\d{3})+", typed.strip()):
             raise ValueError(f"{typed} is not a whole number of tokens: thousands separators are not taken")
-        raise ValueError(f"{raw} is not a length of 1 to {MAX_ANSWER_TOKENS} tokens, or null{unit_hint(typed)}")
+        raise ValueError(f"{typed} is not a length of 1 to {MAX_ANSWER_TOKENS} tokens, or null{unit_hint(typed)}")
     return tokens
 
 
