@@ -605,7 +605,9 @@ def test_a_hand_edited_json_setting_that_is_not_json_is_said_with_the_value_its_
 
 UNUSABLE_BUDGETS = [
     ("{not json", '{not json is not JSON: in the file, each of its quotes needs a backslash (\\"), or Qt drops it'),
-    ('{"path": "m", "budget": ["cuda"]}', "no budget object in it"),
+    # (said "no budget object in it", without what was read)
+    ('{"path": "m", "budget": ["cuda"]}', 'no budget object in {"path": "m", "budget": ["cuda"]}'),
+    ('["m", {"kv_tokens": 4096}]', 'no budget object in ["m", {"kv_tokens": 4096}]'),
     ('{"path": "m", "budget": {"device": "cuda"}}', 'device "cuda" is not {"kind": cpu, simulated or cuda}'),
     ('{"path": "m", "budget": {"kv_tokens": "lots"}}',
      'kv_tokens "lots" is not a whole number of tokens from 1 to 2147483647'),

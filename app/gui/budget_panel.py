@@ -758,11 +758,9 @@ def other_settings_html(config: OffloadConfig, t) -> str:
     return "<br>".join(lines + ([f"<span style='color:{t.muted}'>{rest}</span>"] if rest else []))
 
 
-def kept_settings_problem(settings) -> str:
+def kept_settings_problem(settings: dict) -> str:
     """Why budgets kept for a model (settings() as read back from the settings file, which may have been edited or
     damaged) cannot be used ('' where they can)."""
-    if not isinstance(settings, dict):
-        return "no budget object in it"
     if unknown := unknown_key(settings, ["device", "entries", "kv_tokens", "layer_split", "decode_path"],
                               "budget setting"):
         return unknown

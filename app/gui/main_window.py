@@ -564,7 +564,8 @@ class MainWindow(QMainWindow):
             problem = str(exc)
         else:
             budget = kept.get("budget") if isinstance(kept, dict) else None
-            problem = kept_settings_problem(budget)
+            problem = (kept_settings_problem(budget) if isinstance(budget, dict)
+                       else f"no budget object in {json.dumps(kept)}")
             if not problem:
                 return budget
         bad = self._set_aside(key, raw)
