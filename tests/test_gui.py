@@ -611,6 +611,11 @@ UNUSABLE_BUDGETS = [
     ('{"path": "m", "budget": {"device": "cuda"}}', 'device "cuda" is not {"kind": cpu, simulated or cuda}'),
     ('{"path": "m", "budget": {"kv_tokens": "lots"}}',
      'kv_tokens "lots" is not a whole number of tokens from 1 to 2147483647'),
+    # (said no more than that, where a capacity in quotes was said with the number to write)
+    ('{"path": "m", "budget": {"kv_tokens": "4096"}}',
+     'kv_tokens "4096" is not a whole number of tokens from 1 to 2147483647 (write it as a number: 4096)'),
+    ('{"path": "m", "budget": {"kv_tokens": "0"}}',
+     'kv_tokens "0" is not a whole number of tokens from 1 to 2147483647'),
     # (raised TypeError, unhashable, as the model opened)
     ('{"path": "m", "budget": {"device": {"kind": ["cuda"]}}}',
      'device {"kind": ["cuda"]} is not {"kind": cpu, simulated or cuda}'),

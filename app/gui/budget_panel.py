@@ -771,13 +771,13 @@ def kept_settings_problem(settings: dict) -> str:
         return unknown
     capacity = device.get("capacity")
     if capacity is not None and (type(capacity) is not int or capacity < SIMULATED_MIN):  # as Simulated GPU refuses
-        size = _text_size(capacity)
         return (f"device capacity {json.dumps(capacity)} is not a byte count of at least {SIMULATED_MIN}"
-                + (f" (write it as a number: {size})" if size >= SIMULATED_MIN else ""))
+                + _number_hint(capacity, parse_bytes, lambda size: size >= SIMULATED_MIN))
     kv_tokens = settings.get("kv_tokens")
     # (one past the model's longest sequence is that: the cache never grows past it; past 32 bits the box raises)
     if kv_tokens is not None and (type(kv_tokens) is not int or not 1 <= kv_tokens <= INT32_MAX):
-        return f"kv_tokens {json.dumps(kv_tokens)} is not a whole number of tokens from 1 to {INT32_MAX}"
+        return (f"kv_tokens {json.dumps(kv_tokens)} is not a whole number of tokens from 1 to {INT32_MAX}"
+                + _number_hint(kv_tokens, int, lambda tokens: 1 <= tokens <= INT32_MAX))
     for name, choices in (("layer_split", SPLITS), ("decode_path", PATHS)):
         value = settings.get(name, "auto")
         if not _one_of(value, choices):
@@ -788,12 +788,14 @@ def kept_settings_problem(settings: dict) -> str:
     return _entries_problem(entries)
 
 
-def _text_size(value) -> int:
-    """The bytes a kept size typed as a text means ("8 GiB", "8589934592", as the window's boxes take it), else 0."""
+def _number_hint(value, read, fits) -> str:
+    """What a refusal adds for a kept number typed as a text ("4096", "8 GiB") that `read` takes as one that `fits`:
+    the number to write ('' for anything else). One rule for every number the budgets keep."""
     try:
-        return (parse_bytes(value) or 0) if isinstance(value, str) else 0
+        number = read(value) if isinstance(value, str) else None
     except ValueError:
-        return 0
+        return ""
+    return f" (write it as a number: {number})" if number is not None and fits(number) else ""
 
 
 def _one_of(value, choices) -> bool:
