@@ -170,6 +170,31 @@ def test_open_starts_where_the_last_model_was_opened_after_a_restart(qtbot, tmp_
     assert starts == [str(kept), str(Path.home())]
 
 
+def test_a_recent_model_whose_folder_is_gone_is_dropped_from_the_list_and_said_once(qtbot, tmp_path):
+    """A recent model whose folder had moved stayed in Open recent, and picking it said "Could not open X: X: no such
+    folder (point at the folder holding genai_config.json and model.onnx)", the path twice, at every pick. Picked
+    from the panel's Recent or the window's menu, it is now dropped from the list and said so, with its path once."""
+    settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
+    kept, moved, replaced = fixture_folder("gptoss"), tmp_path / "moved", tmp_path / "replaced"
+    replaced.write_text("a file where the model's folder was")
+    settings.setValue("recent", json.dumps([str(moved), str(replaced), str(kept)]))
+    settings.sync()
+    win = make_window(qtbot, tmp_path, nvml=False)
+    win.model_panel.recent_menu.actions()[0].trigger()
+    assert win.error_banner.text() == (f"Could not open {moved}: no such folder (moved or deleted since it was "
+                                       "opened): it is dropped from the recent models")
+    win.recent_menu.actions()[0].trigger()
+    assert win.error_banner.text() == (f"Could not open {replaced}: not a folder (moved or deleted since it was "
+                                       "opened): it is dropped from the recent models")
+    assert win.recent() == [str(kept)] and win.facts is None and not win.busy
+    assert [a.text() for a in win.recent_menu.actions()] == [a.text() for a in win.model_panel.recent_menu.actions()]
+    assert [a.text() for a in win.recent_menu.actions()] == [str(kept)]
+    win.recent_menu.actions()[0].trigger()  # one still there opens as before
+    qtbot.waitUntil(lambda: win.facts is not None and not win.busy, timeout=WAIT)
+    assert win.facts.path == str(kept) and win.error_banner.isHidden()
+    win.close()
+
+
 @pytest.mark.parametrize("tokens", [-5, 0, 250_000])
 def test_a_chat_length_the_settings_file_keeps_out_of_range_is_said_not_answered_with(qtbot, tmp_path, tokens):
     """Kept as the user's own, a chat length of -5 in a hand-edited settings file answered 1 token, without a word

@@ -295,7 +295,7 @@ class MainWindow(QMainWindow):
 
         # wiring: panels -> window -> worker
         self.model_panel.openRequested.connect(self.choose_model)
-        self.model_panel.recentChosen.connect(self.open_model)
+        self.model_panel.recentChosen.connect(self.open_recent)
         self.model_panel.demoRequested.connect(self.load_demo)
         self.model_panel.loadRequested.connect(self.load)
         self.model_panel.unloadRequested.connect(self.unload)
@@ -617,7 +617,9 @@ class MainWindow(QMainWindow):
         return []
 
     def _remember_recent(self, path: str) -> None:
-        paths = [path] + [p for p in self.recent() if p != path]
+        self._keep_recent([path] + [p for p in self.recent() if p != path])
+
+    def _keep_recent(self, paths: list[str]) -> None:
         self.settings.setValue("recent", json.dumps(paths[:RECENT_MAX]))
         self._show_recent(paths[:RECENT_MAX])
 
@@ -626,7 +628,7 @@ class MainWindow(QMainWindow):
         self.recent_menu.clear()
         for p in paths:
             action = self.recent_menu.addAction(p)
-            action.triggered.connect(lambda _c=False, x=p: self.open_model(x))
+            action.triggered.connect(lambda _c=False, x=p: self.open_recent(x))
         self._update_recent()
 
     def _update_recent(self) -> None:
@@ -688,6 +690,17 @@ class MainWindow(QMainWindow):
         self.error_banner.hide()
         self._wait_for("opening")
         self.worker.requestOpen.emit(str(path))
+
+    def open_recent(self, path: str) -> None:
+        """A model picked from Open recent. One whose folder is gone (moved or deleted since it was opened) is dropped
+        from the list, and said so: kept, it would fail again at each pick."""
+        if os.path.isdir(path):
+            self.open_model(path)
+            return
+        self._keep_recent([p for p in self.recent() if p != path])
+        why = "not a folder" if os.path.exists(path) else "no such folder"
+        self.show_error(f"Could not open {path}: {why} (moved or deleted since it was opened): it is dropped from "
+                        "the recent models")
 
     @Slot()
     def load_demo(self) -> None:
