@@ -693,6 +693,32 @@ def test_budgets_kept_for_a_model_that_cannot_be_used_are_said_and_kept_aside(qt
     assert settings.value(key + ".bad") == kept and json.loads(settings.value(key))["budget"]["entries"] == {}
 
 
+def test_a_kept_popularity_file_that_is_gone_is_said_as_the_model_opens_with_how_to_clear_it(qtbot, tmp_path):
+    """Budgets kept with a popularity file moved or deleted since were taken without a word: only the load said it,
+    and every load failed on it until the budgets changed. It is now said as the model opens, before any load, naming
+    the file and how to clear it; the budgets stay as kept (the file put back mends them)."""
+    ini = str(tmp_path / "settings.ini")
+    path = str(fixture_folder("gptoss"))
+    key = MainWindow._model_key(path)
+    gone = tmp_path / "popularity.json"
+    kept = json.dumps({"path": path, "budget": {"entries": {"session.moe.offload.popularity_file": str(gone)}}})
+    settings = QSettings(ini, QSettings.Format.IniFormat)
+    settings.setValue(key, kept)
+    settings.sync()
+    win = make_window(qtbot, tmp_path, nvml=False)
+    win.open_model(path)
+    qtbot.waitUntil(lambda: win.facts is not None and not win.busy, timeout=WAIT)
+    assert win.settings_banner.isVisible() and win.settings_banner.text() == (
+        f"{ini}: the budgets kept for {path} name the popularity file {gone} (no such file): a load fails on it until "
+        f"it is back, or cleared with Defaults in the Budgets panel or taken out of what is kept under {key} there")
+    assert win.budget_panel.config().popularity_file == str(gone) and settings.value(key) == kept
+    win.settings_banner.hide()
+    gone.write_text("{}")  # put back: nothing to say
+    assert win.model_settings(path)["entries"] == {"session.moe.offload.popularity_file": str(gone)}
+    assert win.settings_banner.isHidden()
+    win.close()
+
+
 def test_a_settings_file_that_cannot_be_read_is_said_and_a_malformed_one_kept_before_it_is_written(qtbot, tmp_path):
     """Qt reads what it can of a malformed settings file and rewrites it without the rest at the next save; an
     unreadable one (permissions, a folder) gives the defaults. Both were silent."""

@@ -39,6 +39,7 @@ from app.gui.side_by_side_view import SideBySideView
 from app.gui.sweep_view import REPEATS_MAX, SweepView
 from app.gui.telemetry import SamplerThread
 from app.gui.widgets import MAX_ANSWER_TOKENS, Banner, scrolled
+from engine.offload.config import OffloadConfig
 from engine.offload.cuda_device import kernels_compile_wait
 from engine.records.lengths import SWEEP_REPEATS
 
@@ -567,12 +568,24 @@ class MainWindow(QMainWindow):
             problem = (kept_settings_problem(budget) if isinstance(budget, dict)
                        else f"no budget object in {json.dumps(kept)}")
             if not problem:
+                self._say_gone_popularity(path, key, budget)
                 return budget
         bad = self._set_aside(key, raw)
         self._warn_settings(
             f"{self.settings.fileName()}: the budgets kept for {path} cannot be used ({problem}): the Budgets panel "
             f"shows the defaults; what was kept is now under {bad} there")
         return None
+
+    def _say_gone_popularity(self, path: str, key: str, budget: dict) -> None:
+        """Say a popularity file the kept budgets name that is no longer there (moved or deleted since): the budgets
+        are kept as they are (putting the file back mends them), but every load would fail on it until cleared."""
+        popularity = OffloadConfig.from_entries(budget.get("entries", {})).popularity_file
+        if popularity and not os.path.isfile(popularity):
+            why = "not a file" if os.path.exists(popularity) else "no such file"
+            self._warn_settings(
+                f"{self.settings.fileName()}: the budgets kept for {path} name the popularity file {popularity} "
+                f"({why}): a load fails on it until it is back, or cleared with Defaults in the Budgets panel or taken "
+                f"out of what is kept under {key} there")
 
     def _set_aside(self, key: str, raw) -> str:
         """Move the unusable value under `key` to a key of its own (`<key>.bad`), so that the next save does not
