@@ -3044,7 +3044,7 @@ def test_a_stop_of_a_load_waiting_on_the_gpu_kernels_first_compile_says_what_it_
     qtbot.waitUntil(lambda: (said_seconds() or 0) >= 60, timeout=3000)
     finish.set()
     qtbot.waitUntil(lambda: not window.busy, timeout=WAIT)
-    assert window.status_state.text() == "Stopped the load."
+    assert window.status_state.text() == "Stopped the load" + ("; no model is loaded." if press == "unload" else ".")
     assert window.last_error == "Loading stopped." and window.loaded_path is None
     assert cuda_device._kernels_compiling == {} and cuda_device.kernels_compile_wait() == ""
 
@@ -3100,7 +3100,7 @@ def test_unload_while_a_side_by_side_bs_gpu_kernels_compile_says_what_it_waits_f
         "interrupted (")
     del cuda_device._kernels_compiling[0]
     window.worker.busyChanged.emit("")
-    assert window.status_state.text() == "Stopped the side-by-side comparison."
+    assert window.status_state.text() == "Stopped the side-by-side comparison; no model is loaded."
 
 
 def test_a_load_under_mode_required_on_a_busy_cuda_gpu_keeps_the_loaded_model(qtbot, window, monkeypatch):
@@ -3253,6 +3253,29 @@ def test_unload_while_a_load_waits_in_the_queue_stops_it_before_it_reads_the_fol
     assert window.last_error == "Loading stopped; gptoss is unloaded, as asked." and window.error_banner.isVisible()
     assert opened == [] and window.worker._model is None and window.model_panel.landed.text() == "Not loaded."
     assert window.facts.name == "gptoss" and window.windowTitle() == "gptoss — MoE Workbench"
+
+
+def test_unload_that_stops_a_load_says_so_and_that_no_model_is_loaded(qtbot, window):
+    """Unload that stopped a load, queued or running, said "Stopping the load…", then "Idle" where the load kept the
+    loaded model: the Unload's own `unloaded`, after the stop's line, wrote over it. The status bar now says the load
+    was stopped and that no model is loaded, however far the load had gone."""
+    load(qtbot, window, fixture_folder("gptoss"))
+    gate = threading.Event()
+    QTimer.singleShot(0, window.worker, lambda: gate.wait(30))  # (the load waits behind what the worker runs)
+    window._start_load(str(fixture_folder("lfm2moe")), {})
+    window.unload_action.trigger()
+    gate.set()
+    qtbot.waitUntil(lambda: not (window.busy or window._waiting) and window.loaded_path is None, timeout=WAIT)
+    assert window.status_state.text() == "Stopped the load; no model is loaded."
+    load(qtbot, window, fixture_folder("gptoss"))
+    assert window.status_state.text() == "Ready"
+    # a load that runs: stopped before or after it dropped gptoss (its own `unloaded` then comes before it ends)
+    hold_loads_until_stopped(window)
+    window.load_model(str(fixture_folder("lfm2moe")))
+    qtbot.waitUntil(lambda: window.busy == "loading", timeout=WAIT)
+    window.unload_action.trigger()
+    qtbot.waitUntil(lambda: not window.busy and window.loaded_path is None, timeout=WAIT)
+    assert window.status_state.text() == "Stopped the load; no model is loaded."
 
 
 def test_a_load_of_a_folder_broken_since_it_was_opened_keeps_the_loaded_model_and_its_conversation(qtbot, window,

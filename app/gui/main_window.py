@@ -55,6 +55,7 @@ STOPPABLE = {"generating": "the answer", "loading": "the load", "recording": "th
              "sweeping": "the budget sweep", "comparing": "the side-by-side comparison",
              "contention": "the contention test"}
 STOP_TIP = "Stop the answer, the load or the records job that runs"
+NO_MODEL_SAID = "; no model is loaded."  # the status bar's end of a stop the window's Unload made
 # the activities whose answers' tokens the tokens/s graph counts (a records job's stream says them: new_tokens)
 ANSWERING = ("generating", "recording", "sweeping", "comparing")
 
@@ -233,6 +234,7 @@ class MainWindow(QMainWindow):
         # the load or records job sent to the worker that it has not started yet: the window is busy with it already
         self._waiting: str | None = None
         self._stopping: str | None = None  # what Stop was asked to stop (STOPPABLE) in the activity that runs
+        self._unload_stops: str | None = None  # what the window's Unload stopped (STOPPABLE), until that is said
         # while a stop waits on the GPU kernels' first compile: said again each second, with how long it has run
         self._stop_wait = QTimer(self, interval=1000)
         self._stop_wait.timeout.connect(self._say_stopping)
@@ -765,6 +767,7 @@ class MainWindow(QMainWindow):
         stopping = "loading" if queued else self.busy
         if stopping in ("loading", "comparing"):  # stopped first, as Stop stops them: a load, or side by side's of B,
             self._stopping = STOPPABLE[stopping]  # may have the GPU kernels' first compile to wait on
+            self._unload_stops = self._stopping  # said as it ends, with the model gone (_show_activity)
             self._say_stopping()
 
     def _stop_chat_request(self) -> bool:
@@ -778,6 +781,7 @@ class MainWindow(QMainWindow):
     @Slot()
     def stop(self) -> None:
         """Stop what runs, where it can be stopped (STOPPABLE), and say so in the status bar."""
+        self._unload_stops = None  # (a stop said from now on is this one's, not an Unload's)
         if self._stop_chat_request():
             what = STOPPABLE["generating"]
         else:
@@ -1079,7 +1083,9 @@ class MainWindow(QMainWindow):
         self.sweep.set_model(None)
         self.status_model.setText("No model loaded")
         self.status_device.setText("")
-        if not self._stopping:  # (a stopped load's own line comes as the worker goes idle: _show_activity)
+        # (a stopped load's own line comes as the worker goes idle; where Unload stopped it, that line says no model
+        # is loaded, and stays: _show_activity)
+        if not (self._stopping or self.status_state.text().endswith(NO_MODEL_SAID)):
             self.status_state.setText("Idle")
         self.chat.live.setText("No model loaded: load one to chat.")
         self._update_state()
@@ -1176,7 +1182,9 @@ class MainWindow(QMainWindow):
         if self.busy:
             self.status_state.setText(labels.get(self.busy, self.busy))
         elif stopped and self.status_state.text().startswith(f"Stopping {stopped}"):
-            self.status_state.setText(f"Stopped {stopped}.")
+            # the Unload that stopped it leaves no model loaded: the one the load kept goes next (_on_unloaded)
+            unloading, self._unload_stops = stopped == self._unload_stops, None
+            self.status_state.setText(f"Stopped {stopped}{NO_MODEL_SAID if unloading else '.'}")
         elif self.status_state.text() in (*labels.values(), self._load_note):
             self.status_state.setText("Ready" if self.loaded_path is not None else "Idle")
 
