@@ -1925,6 +1925,27 @@ def test_nothing_else_starts_between_load_and_the_loads_start_and_stop_stops_it(
     assert window.chat.send_button.isEnabled() and window.model_panel.landed.text() != "Not loaded."
 
 
+def test_nothing_queues_behind_a_chat_message_whose_answer_has_not_begun(qtbot, window):
+    """Between Send and the worker beginning the answer, Load, Open and Apply stayed on: a load then waited behind the
+    answer, and its Stop (the model panel's Cancel) stopped the answer instead, the load running after it all the
+    same. From Send on the window is busy with the answer, as with one that runs."""
+    load(qtbot, window, fixture_folder("lfm2moe"))
+    gate = threading.Event()
+    QTimer.singleShot(0, window.worker, lambda: gate.wait(30))  # (the answer waits behind what the worker runs)
+    window.chat.max_tokens.setValue(4)
+    window.chat.prompt.setPlainText("Hello")
+    window.chat.send()
+    assert window.busy == "" and window._chat_waiting == 1
+    assert not window.load_action.isEnabled() and not window.model_panel.load_button.isEnabled()
+    assert not window.open_action.isEnabled() and not window.recent_menu.isEnabled() and window.budget_panel.busy
+    assert not window.scenarios.bar.run_button.isEnabled()
+    assert window.unload_action.isEnabled() and window.stop_action.text() == "&Stop the answer"
+    gate.set()
+    qtbot.waitUntil(lambda: not window.busy and bool(window.chat.entries[-1].get("stats")), timeout=WAIT)
+    assert window.chat.entries[-1]["result"]["finish_reason"] == "length"
+    assert window.load_action.isEnabled() and window.open_action.isEnabled() and not window.budget_panel.busy
+
+
 def test_a_load_stopped_before_the_window_hears_it_began_keeps_the_loaded_model(qtbot, window):
     """Stop of a load the worker had begun, before the window heard so (busyChanged is queued), reached the worker
     only once the window heard: by then the worker had dropped the loaded model. Stop now reaches it at once, and the

@@ -648,7 +648,7 @@ class MainWindow(QMainWindow):
 
     def _update_recent(self) -> None:
         # as Open: while the window is busy an open would queue behind what runs
-        self.recent_menu.setEnabled(not (self.busy or self._waiting) and bool(self.recent_menu.actions()))
+        self.recent_menu.setEnabled(not self._busy_with() and bool(self.recent_menu.actions()))
 
     # --- theme and layout --------------------------------------------------------------------------
     @Slot(Qt.ColorScheme)
@@ -1135,7 +1135,7 @@ class MainWindow(QMainWindow):
     # --- state -------------------------------------------------------------------------------------
     def _update_state(self) -> None:
         loaded = self.loaded_path is not None
-        busy = self.busy or self._waiting or ""
+        busy = self._busy_with()
         chat_waits = self._chat_waiting is not None
         self.model_panel.set_state(busy, loaded)
         self.chat.set_state(busy=bool(busy) or chat_waits, loaded=loaded, answering=busy == "generating" or chat_waits)
@@ -1171,7 +1171,13 @@ class MainWindow(QMainWindow):
         the loaded model, then fail), and, while a model is loaded, with settings the estimate does not refuse (its
         plan fails after the loaded model went: a pinned ring below one expert, a substitution rank past top-k)."""
         refused = self.loaded_path is not None and bool(getattr(self.budget_panel.last_estimate, "error", ""))
-        return not (self.busy or self._waiting or refused) and self.facts is not None and self.facts.supported
+        return not (self._busy_with() or refused) and self.facts is not None and self.facts.supported
+
+    def _busy_with(self) -> str:
+        """What the window is busy with: the worker's activity, or the load or records job it has not begun yet, or
+        the chat's message whose answer it has not begun (a load or an open sent now would wait behind that answer,
+        as behind one that runs, and Stop would stop the answer, not them)."""
+        return self.busy or self._waiting or ("generating" if self._chat_waiting is not None else "")
 
     def _show_activity(self, stopped: str | None) -> None:
         """The status bar as the worker's activity changes: what runs now; once idle, what Stop stopped (`stopped`,
