@@ -797,11 +797,12 @@ class MainWindow(QMainWindow):
         self._say_stopping()
 
     def _stop_queued(self) -> None:
-        """Stop the load or records job the window has not seen begin now, not once it hears it began (one the worker
-        began meanwhile is stopped then too). The worker may have begun a load and be about to drop the loaded model,
-        which a load stopped before that keeps; one still queued reads no folder (EngineWorker.stopped_load). A
-        records job still queued is not run (EngineWorker.stopped_job); the stop flag is left alone, as it would stop
-        what runs ahead of the job."""
+        """Stop the load or records job the window sent but has not seen begin. Still queued, it does not run: a load
+        reads no folder (EngineWorker.stopped_load), a records job is skipped (EngineWorker.stopped_job). One the
+        worker began meanwhile is stopped by the stop flag: a load's at once, as it may be about to drop the loaded
+        model, which a load stopped before that keeps; a records job's once the window hears it began (_on_busy).
+        Nothing the flag would stop runs ahead of either: the window sends neither while an answer, a load or a
+        records job is pending (_busy_with)."""
         self._cancel_when_started = self._waiting
         if self._waiting == "loading":
             self.worker.stopped_load = self._loads
