@@ -759,7 +759,8 @@ class MainWindow(QMainWindow):
         self.error_banner.hide()
         self._stop_chat_request()
         self.worker.unload_asked = True
-        queued = self._waiting == "loading"  # stopped too: it ran in full, then the Unload queued behind it undid it
+        queued = self._waiting == "loading"  # stopped too, before it reads the folder (else it runs in full, for the
+        # Unload queued behind it to undo)
         if queued:
             self._stop_queued()
         self.worker.cancel.set()
