@@ -230,6 +230,7 @@ class MainWindow(QMainWindow):
         # the answer lengths kept in the settings beside the chat's (its options hold its own)
         self.answer_lengths = {"side_by_side": self.side_by_side.max_tokens, "record": self.scenarios.max_tokens,
                                "contention": self.contention_view.max_tokens, "sweep": self.sweep.max_tokens}
+        # the load or records job stopped while queued (_stop_queued): the stop flag is set as the window sees it begin
         self._cancel_when_started: str | None = None
         # the load or records job sent to the worker that it has not started yet: the window is busy with it already
         self._waiting: str | None = None
