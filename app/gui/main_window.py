@@ -782,7 +782,8 @@ class MainWindow(QMainWindow):
 
     @Slot()
     def stop(self) -> None:
-        """Stop what runs, where it can be stopped (STOPPABLE), and say so in the status bar."""
+        """Stop the chat's answer where one is pending (sent, or running), else what runs where it can be stopped
+        (STOPPABLE), else the load or records job sent but not begun (_stop_queued); and say so in the status bar."""
         self._unload_stops = None  # (a stop said from now on is this one's, not an Unload's)
         if self._stop_chat_request():
             what = STOPPABLE["generating"]
