@@ -1142,7 +1142,7 @@ class MainWindow(QMainWindow):
         busy = self._busy_with()
         chat_waits = self._chat_waiting is not None
         self.model_panel.set_state(busy, loaded)
-        self.chat.set_state(busy=bool(busy) or chat_waits, loaded=loaded, answering=busy == "generating" or chat_waits)
+        self.chat.set_state(busy=bool(busy), loaded=loaded, answering=busy == "generating" or chat_waits)
         for action in (self.open_action, self.demo_action):
             action.setEnabled(not busy)
         self._update_recent()
