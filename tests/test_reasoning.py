@@ -299,7 +299,7 @@ def test_the_generate_command_leaves_a_model_that_reasons_first_room_for_its_ans
 
 
 @pytest.mark.parametrize("context, short, long", [
-    (4096, 4096, 4096 - 2000),  # the long scenario's within what the context leaves after its input
+    (4096, 4096, 4096 - 2003),  # the long scenario's within what the context leaves after its input (2,003 tokens)
     (2048, 2048, 64)])          # ...but not below the plain length: scenario_turns refuses that context, as before
 def test_a_scenarios_own_length_leaves_the_long_input_room(copy_fixture, context, short, long):
     from engine.records.scenarios import scenario_answer_tokens, scenario_turns
@@ -307,10 +307,10 @@ def test_a_scenarios_own_length_leaves_the_long_input_room(copy_fixture, context
     reasons = LoadedModel.open(configured(harmony_folder(copy_fixture), context, {"max_length": context}))
     lengths = {name: scenario_answer_tokens(reasons, name) for name in ("short", "multiturn", "long")}
     assert lengths == {"short": short, "multiturn": short, "long": long}
-    if context - 2000 >= 64:
+    if context - 2003 >= 64:
         assert scenario_turns("long", reasons.tokenizer, reasons.config, long)
     else:
-        with pytest.raises(PromptError, match="needs a context of at least 2064 tokens; the model has 2048"):
+        with pytest.raises(PromptError, match="needs a context of at least 2067 tokens; the model has 2048"):
             scenario_turns("long", reasons.tokenizer, reasons.config, long)
     answers = LoadedModel.open(configured(copy_fixture("lfm2moe"), context, {"max_length": context}))
     assert {scenario_answer_tokens(answers, name) for name in ("short", "multiturn", "long")} == {64}
@@ -318,14 +318,14 @@ def test_a_scenarios_own_length_leaves_the_long_input_room(copy_fixture, context
 
 def test_the_long_scenario_is_bounded_by_search_max_length_below_the_context(copy_fixture):
     """A 4,096-token model whose search.max_length is 2,048: the long scenario's answer length was taken within the
-    whole context (2,048 tokens after its 2,000-token input, where 48 fit) and its check passed, so the run stopped at
+    whole context (2,048 tokens after its input, 2,003 tokens here: 45 fit) and its check passed, so the run stopped at
     max_length, short of the answer asked for, where it should be refused up front, naming max_length."""
     from engine.records.scenarios import scenario_answer_tokens, scenario_turns
 
     reasons = LoadedModel.open(configured(harmony_folder(copy_fixture), 4096, {"max_length": 2048}))
     assert scenario_answer_tokens(reasons, "long") == 64  # not below the plain length
-    assert scenario_turns("long", reasons.tokenizer, reasons.config, 48)
-    with pytest.raises(PromptError, match="^the long-input scenario needs sequences of at least 2064 tokens; the "
+    assert scenario_turns("long", reasons.tokenizer, reasons.config, 45)
+    with pytest.raises(PromptError, match="^the long-input scenario needs sequences of at least 2067 tokens; the "
                                           "model's genai_config.json search.max_length is 2048$"):
         scenario_turns("long", reasons.tokenizer, reasons.config, 64)
 

@@ -592,6 +592,41 @@ def test_long_and_multiturn_scenarios_are_what_they_claim(simulated_model):
     assert len(scenario_turns("multiturn", model.tokenizer, model.config, 8)) >= 5
 
 
+class _WordPiecesTokenizer:
+    """A stand-in tokenizer that splits each word into 7 tokens: the word that takes the long input past 2,000 tokens
+    ends it 2 past."""
+
+    def render_chat(self, messages, add_generation_prompt=True, variables=None):
+        return " ".join(message["content"] for message in messages) + " <answer>"
+
+    def encode(self, text):
+        return [0] * (7 * len(text.split()))
+
+
+def test_the_long_inputs_room_is_counted_with_the_models_tokens_not_2000():
+    """The long input's check and its answer length counted 2,000 tokens for the prompt, which ends just past that
+    on the model's tokenizer (here 2,002): a 2,064-token context passed the check for 64-token answers, which the
+    context then cut 2 tokens short. Both count the prompt's own tokens."""
+    from engine.errors import PromptError
+    from engine.records.scenarios import scenario_answer_tokens
+
+    tokenizer = _WordPiecesTokenizer()
+    prompt = scenario_turns("long", tokenizer, SimpleNamespace(context_length=2066, search=SimpleNamespace(
+        max_length=2066)), 64)[0]
+    assert len(tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": prompt}]))) == 2002
+    with pytest.raises(PromptError, match="^the long-input scenario needs a context of at least 2066 tokens; the "
+                                          "model has 2064$"):
+        scenario_turns("long", tokenizer, SimpleNamespace(context_length=2064, search=SimpleNamespace(
+            max_length=2064)), 64)
+    with pytest.raises(PromptError, match="^the long-input scenario needs sequences of at least 2066 tokens; the "
+                                          "model's genai_config.json search.max_length is 2064$"):
+        scenario_turns("long", tokenizer, SimpleNamespace(context_length=4096, search=SimpleNamespace(
+            max_length=2064)), 64)
+    model = SimpleNamespace(answer_tokens=lambda plain: 4096, tokenizer=tokenizer,
+                            config=SimpleNamespace(longest_sequence=4096))
+    assert scenario_answer_tokens(model, "long") == 4096 - 2002
+
+
 def test_multiturn_record_reuses_the_cache(simulated_model):
     model, device = simulated_model
     record = run_scenario(model, "multiturn", GenerationParams(max_new_tokens=4), device)
@@ -1319,6 +1354,7 @@ def test_the_contention_job_refuses_the_long_input_on_a_short_context_before_any
     import engine.records.contention as contention
     from engine.errors import PromptError
     from engine.records.scenarios import scenario_turns
+    from engine.tokenizer import ModelTokenizer
 
     indexed, shown = [], []
     monkeypatch.setattr(contention, "index_folder", lambda folder, workers: indexed.append(folder) or (1, 0.1))
@@ -1327,7 +1363,8 @@ def test_the_contention_job_refuses_the_long_input_on_a_short_context_before_any
         name, model.tokenizer, model.config, params.max_new_tokens))
     corpus = make_corpus(tmp_path / "corpus", files=2, words_per_file=10)
     model = SimpleNamespace(decoder=SimpleNamespace(kernel_threads=SimpleNamespace(state=lambda: None)),
-                            folder=SimpleNamespace(folder=tmp_path / "model"), tokenizer=None,
+                            folder=SimpleNamespace(folder=tmp_path / "model"),
+                            tokenizer=ModelTokenizer(fixture_folder("gptoss")),  # the input's 2,000 tokens counted
                             config=SimpleNamespace(context_length=2048, search=SimpleNamespace(max_length=2048)))
     ctx = jobs.JobContext(model, None, {}, threading.Event(), lambda fraction, text: shown.append(text),
                           lambda batch: None, None)

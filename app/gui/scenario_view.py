@@ -31,9 +31,9 @@ class ScenarioView(QWidget):
         self.scenario.setAccessibleName("Scenario")
         self.scenario.setToolTip("short: one question · long: a ~2000-token input · multiturn: six turns, cache kept · "
                                  "all: the three in turn")
-        self.max_tokens = AnswerLength(SCENARIO_TOKENS, note=". The long scenario needs 2000 + "
-                                       "a length you set within the model's context; the model's own there is what "
-                                       "the context leaves after that input")
+        self.max_tokens = AnswerLength(SCENARIO_TOKENS, note=". The long scenario needs its input (2000 "
+                                       "tokens or a few more) + a length you set within the model's context; the "
+                                       "model's own there is what the context leaves after that input")
         self.max_tokens.setAccessibleName("Answer tokens")
         self.answers = AnswersChoice()
         self.label = QLineEdit(placeholderText="label (optional)")

@@ -47,14 +47,15 @@ def scenario_turns(name: str, tokenizer, config, max_new_tokens: int) -> list[st
     if name == "multiturn":
         return list(MULTITURN_QUESTIONS)
     if name == "long":
-        needed = LONG_PROMPT_TOKENS + max_new_tokens
+        prompt, prompt_tokens = _long_prompt(tokenizer)
+        needed = prompt_tokens + max_new_tokens
         if config.search.max_length < min(needed, config.context_length):
             raise PromptError(f"the long-input scenario needs sequences of at least {needed} tokens; the model's "
                               f"genai_config.json search.max_length is {config.search.max_length}")
         if config.context_length < needed:
             raise PromptError(f"the long-input scenario needs a context of at least {needed} tokens; the model has "
                               f"{config.context_length}")
-        return [_long_prompt(tokenizer)]
+        return [prompt]
     raise ValueError(f"unknown scenario '{name}' (known: {', '.join(SCENARIOS)})")
 
 
@@ -65,12 +66,14 @@ def scenario_answer_tokens(model: LoadedModel, name: str) -> int:
     too short for that)."""
     tokens = model.answer_tokens(SCENARIO_TOKENS)
     if name == "long":
-        return min(tokens, max(SCENARIO_TOKENS, model.config.longest_sequence - LONG_PROMPT_TOKENS))
+        _prompt, prompt_tokens = _long_prompt(model.tokenizer)
+        return min(tokens, max(SCENARIO_TOKENS, model.config.longest_sequence - prompt_tokens))
     return tokens
 
 
-def _long_prompt(tokenizer) -> str:
-    """A report whose chat-rendered prompt is just over LONG_PROMPT_TOKENS tokens."""
+def _long_prompt(tokenizer) -> tuple[str, int]:
+    """A report whose chat-rendered prompt is just over LONG_PROMPT_TOKENS tokens, and its tokens: the word that
+    passes the target may take several of the model's tokens."""
     def tokens(text: str) -> int:
         return len(tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": text}])))
 
@@ -81,7 +84,7 @@ def _long_prompt(tokenizer) -> str:
         if tokens(text) >= LONG_PROMPT_TOKENS:
             break
         text += word + " "
-    return text
+    return text, tokens(text)
 
 
 def _reset_rss_high_water() -> bool:
