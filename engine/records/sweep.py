@@ -422,7 +422,8 @@ def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, 
 
     The unrecorded answer puts every point's runs after the same warm state: settle decodes only where the engine has
     trials to run (none with every expert resident), and whatever a plan's first answer costs (its first prefill on
-    the re-planned slots, the placement's first steps) would otherwise fall in one point's runs and not another's."""
+    the re-planned slots, the placement's first steps) would otherwise fall in one point's runs and not another's. The
+    point's first record says its seconds (warm_up_s), the records after it 0."""
     if fraction is None:  # the point is what ran: its budget, share, label and the recommendation saved
         fraction = budget / all_resident_bytes(model.offload.infos)
     if on_settle:
@@ -430,7 +431,13 @@ def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, 
     point = SweepPoint(budget, fraction, split=split, settle_steps=settle(model, cancel), repeats=repeats)
     if cancel is not None and cancel.is_set():
         return None
-    run_scenario(model, "short", GenerationParams(max_new_tokens=min(4, params.max_new_tokens)), device, cancel=cancel)
+    warm_up = run_scenario(model, "short", GenerationParams(max_new_tokens=min(4, params.max_new_tokens)), device,
+                           cancel=cancel)
+    if cancel is not None and cancel.is_set():  # (not said by whatever runs on the model next)
+        return None
+    # said by the point's first record, as a model's first record after its load says its warm-up: what the first
+    # answer at this budget took, which no record of the point times (its 0 read as "nothing was paid before it")
+    model.warm_up_s = warm_up.timings["completion_s"]
     infos = model.offload.infos
     if 0 < whole_layers_held(infos, budget) < sum(1 for info in infos if info.gpu is not None):
         point.split_run = WHOLE if model.offload.whole_layers else SPREAD
