@@ -682,13 +682,14 @@ def test_a_stopped_sweep_names_its_runs_ids_where_another_process_saved_runs_bet
 def test_a_sweep_whose_point_fails_names_that_point_and_prints_the_points_before_it(tmp_path, capsys, monkeypatch):
     """A point that raised: the command said only "internal error: RuntimeError: CUDA out of memory while staging",
     not which budget failed, and printed none of the points it had finished (their runs were saved). It prints them,
-    without a recommendation, and says in one line which point failed (its share and device_expert_bytes) and why."""
+    without a recommendation, and says in one line which point failed (its share and device_expert_bytes), in which
+    of its runs, and why."""
     _sweep_run_raises(monkeypatch, 7, RuntimeError("CUDA out of memory while staging\nthe allocator's details"))
     status, out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "3",
                              "--max-new-tokens", "2", "--history", str(tmp_path / "h.sqlite"))
     assert status == 3 and err.splitlines()[-1] == (
         "moe-workbench: internal error: the sweep failed at budget share 100% (device_expert_bytes=565248), point 3 "
-        "of 3: "
+        "of 3, in its short run (repeat 1 of 3): "
         "RuntimeError: CUDA out of memory while staging; the 2 points before it are printed, their 6 runs saved in "
         "the history (ids 1 to 6); no recommendation")
     rows = [line.split()[0] for line in out.splitlines()[2:]]
@@ -1099,7 +1100,8 @@ def test_records_multiturn_past_the_context_does_not_say_to_start_a_new_conversa
 def test_a_sweeps_multiturn_past_the_context_does_not_say_to_start_a_new_conversation(copy_fixture, tmp_path,
                                                                                       capsys):
     """As record's (above): a sweep whose multiturn answers filled the model's context failed in the chat's "...:
-    start a new conversation", which a sweep cannot do; it says what leaves the turns more room."""
+    start a new conversation", which a sweep cannot do; it says what leaves the turns more room, and that the
+    multiturn failed (it named only the point, where the point's short warm-up answer had run)."""
     folder = copy_fixture("gptoss")
     config = json.loads((folder / "genai_config.json").read_text())
     config["model"]["context_length"] = 80
@@ -1108,10 +1110,10 @@ def test_a_sweeps_multiturn_past_the_context_does_not_say_to_start_a_new_convers
                               "--scenario", "multiturn", "--max-new-tokens", "30", "--history",
                               str(tmp_path / "h.sqlite"))
     assert status == 2 and re.fullmatch(
-        r"moe-workbench: error: the sweep failed at budget share 0% \(device_expert_bytes=0\), point 1 of 2: the "
-        r"conversation so far \(\d+ tokens\) and this message \(\d+\) come to \d+ tokens, past the model's context of "
-        r"80 \(a smaller answer length leaves the scenario's turns more room\); no point finished before it; no "
-        r"recommendation", err.splitlines()[-1]), err
+        r"moe-workbench: error: the sweep failed at budget share 0% \(device_expert_bytes=0\), point 1 of 2, in its "
+        r"multiturn run: the conversation so far \(\d+ tokens\) and this message \(\d+\) come to \d+ tokens, past "
+        r"the model's context of 80 \(a smaller answer length leaves the scenario's turns more room\); no point "
+        r"finished before it; no recommendation", err.splitlines()[-1]), err
 
 
 def test_contention_multiturn_past_the_context_does_not_say_to_start_a_new_conversation(copy_fixture, tmp_path,

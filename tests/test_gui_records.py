@@ -1159,7 +1159,8 @@ def test_the_windows_sweep_past_the_context_does_not_say_to_start_a_new_conversa
     device = SimulatedDevice(1 << 30)
     model = LoadedModel.open(folder, offload=OffloadConfig(), device=device)
     result = SweepJob(2, ["multiturn"], 30, str(tmp_path / "h.sqlite"), repeats=1)(_sweep_context(model, device, []))
-    assert result.points == [] and result.stopped_at == "at budget share 0% (device_expert_bytes=0), point 1 of 2"
+    assert result.points == [] and result.stopped_at == ("at budget share 0% (device_expert_bytes=0), point 1 of 2, "
+                                                         "in its multiturn run")
     assert re.fullmatch(r"the conversation so far \(\d+ tokens\) and this message \(\d+\) come to \d+ tokens, past the "
                         r"model's context of 80 \(a smaller answer length leaves the scenario's turns more room\)",
                         result.failure), result.failure

@@ -851,6 +851,35 @@ def test_each_sweep_points_first_record_says_the_seconds_of_its_unrecorded_answe
         [unrecorded[0], 0.0], [unrecorded[1], 0.0]]
 
 
+def test_a_sweeps_failure_names_the_run_of_its_point_that_failed(monkeypatch):
+    """A failed sweep said at which point it stopped ("point 1 of 2") but not which of the point's runs failed: its
+    unrecorded warm-up answer, or which scenario, in which repeat. The point's note names it."""
+    from engine.records import sweep
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    real_run = sweep.run_scenario
+
+    def failing(at: int):
+        runs = []
+
+        def run(model, name, *args, **kwargs):
+            runs.append(name)
+            if len(runs) == at:
+                raise RuntimeError("failed")
+            return real_run(model, name, *args, **kwargs)
+        return run
+
+    said = {}
+    for at in (1, 5):  # the warm-up answer; the second repeat's multiturn (after short, multiturn, short)
+        monkeypatch.setattr(sweep, "run_scenario", failing(at))
+        with pytest.raises(RuntimeError) as failed:
+            run_sweep(model, device, 2, ["short", "multiturn"], GenerationParams(max_new_tokens=2), repeats=2)
+        said[at] = stopped_at(failed.value)
+    assert said == {1: "at budget share 0% (device_expert_bytes=0), point 1 of 2, in its unrecorded warm-up answer",
+                    5: "at budget share 0% (device_expert_bytes=0), point 1 of 2, in its multiturn run (repeat 2 of 2)"}
+
+
 def test_a_sweep_point_is_the_budget_the_device_held_where_it_holds_less_than_asked():
     device = SimulatedDevice(1 << 20)  # 1 MiB: not every expert of gptoss beside its staging ring
     model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)

@@ -360,7 +360,8 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
                 if on_point:
                     on_point(point)
             except BaseException as exc:  # which point (Ctrl-C's too), for a caller that keeps those before it
-                exc.add_note(where)
+                failed = getattr(exc, "sweep_run", "")  # the run that failed, where one did (_run_point)
+                exc.add_note(f"{where}, in its {failed}" if failed else where)
                 raise
         return results
     finally:
@@ -386,7 +387,8 @@ def _point_name(fraction: float, budget: int, split: str | None, index: int, cou
 
 def stopped_at(exc: BaseException) -> str:
     """Where run_sweep stopped on `exc`: the point its note names ("at budget share 50% (device_expert_bytes=282624),
-    point 2 of 3"), or before its first point (the warm-up)."""
+    point 2 of 3", and where one of its runs failed which: ", in its long run (repeat 2 of 3)"), or before its first
+    point (the warm-up)."""
     return (getattr(exc, "__notes__", None) or ["before the first point"])[-1]
 
 
@@ -431,8 +433,12 @@ def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, 
     point = SweepPoint(budget, fraction, split=split, settle_steps=settle(model, cancel), repeats=repeats)
     if cancel is not None and cancel.is_set():
         return None
-    warm_up = run_scenario(model, "short", GenerationParams(max_new_tokens=min(4, params.max_new_tokens)), device,
-                           cancel=cancel)
+    try:
+        warm_up = run_scenario(model, "short", GenerationParams(max_new_tokens=min(4, params.max_new_tokens)), device,
+                               cancel=cancel)
+    except Exception as exc:
+        exc.sweep_run = "unrecorded warm-up answer"  # (a short one, whatever the scenarios)
+        raise
     if cancel is not None and cancel.is_set():  # (not said by whatever runs on the model next)
         return None
     # said by the point's first record, as a model's first record after its load says its warm-up: what the first
@@ -442,12 +448,16 @@ def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, 
     if 0 < whole_layers_held(infos, budget) < sum(1 for info in infos if info.gpu is not None):
         point.split_run = WHOLE if model.offload.whole_layers else SPREAD
     tag = f"{label} budget share {fraction:.0%}" + (f" {split}" if split else "")  # (as the table's column says)
-    for _repeat in range(repeats):
+    for repeat in range(repeats):
         for scenario in scenarios:
             if cancel is not None and cancel.is_set():
                 return None
-            point.records.append(run_scenario(model, scenario, params, device, label=tag, cancel=cancel,
-                                              on_text=on_text))
+            try:
+                point.records.append(run_scenario(model, scenario, params, device, label=tag, cancel=cancel,
+                                                  on_text=on_text))
+            except Exception as exc:  # the point's note names the scenario: several run at each point
+                exc.sweep_run = f"{scenario} run" + (f" (repeat {repeat + 1} of {repeats})" if repeats > 1 else "")
+                raise
             if cancel is not None and cancel.is_set():
                 return None
             on_run()
