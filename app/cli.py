@@ -42,6 +42,14 @@ SCENARIO_HELP = ("short: one question; long: a report of about 2,000 tokens, its
                  "a chat of six questions")
 
 
+def _scenario_all_help(fails: str) -> str:
+    """--scenario's help for record or sweep: what is checked before the runs, the long input's room, and what is not,
+    a multiturn's later turns (their room is what the answers before them leave, known only as they come)."""
+    return (f"{SCENARIO_HELP}; all: the three, the long input left out where the model's sequences cannot hold it and "
+            f"the answer length; a multiturn's turn the answers before it leave no room for fails {fails} (default "
+            "short)")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Run Mixture-of-Experts ONNX models with CPU/GPU expert offload.")
     commands = parser.add_subparsers(dest="command")
@@ -82,7 +90,7 @@ def _build_parser() -> argparse.ArgumentParser:
     record = commands.add_parser("record", help="run measured scenarios and save resource records")
     record.add_argument("model", help=MODEL_HELP)
     record.add_argument("--scenario", choices=["short", "long", "multiturn", "all"], default="short",
-                        help=SCENARIO_HELP + "; all: the three, where the context holds them (default short)")
+                        help=_scenario_all_help("the run; the runs before it are saved"))
     record.add_argument("--max-new-tokens", type=at_least(1), help=_answer_length_help(
         SCENARIO_TOKENS, "; the long scenario's within what the context leaves after its input"))
     _add_record_sampling_arguments(record)
@@ -97,7 +105,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--points", type=at_least(2), default=5, help="budgets tried, from none to every expert "
                        "(default 5)")
     sweep.add_argument("--scenario", choices=["short", "long", "multiturn", "all"], default="short",
-                       help=SCENARIO_HELP + "; all: the three, where the context holds them (default short)")
+                       help=_scenario_all_help("the sweep at that point; the points before it are kept"))
     sweep.add_argument("--max-new-tokens", type=at_least(1), default=SWEEP_TOKENS,
                        help=f"answer length limit, the same for every model (default {SWEEP_TOKENS}: a sweep times the "
                        "same work at each budget; a model that reasons first spends it on its reasoning, which decodes "

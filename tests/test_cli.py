@@ -1097,6 +1097,24 @@ def test_records_multiturn_past_the_context_does_not_say_to_start_a_new_conversa
                                         r"\(id \d+\)", err.splitlines()[-1]), err
 
 
+def test_record_and_sweep_say_that_scenario_all_checks_the_long_inputs_room_and_not_the_multiturns():
+    """--scenario's help said "all: the three, where the context holds them", while only the long input is checked
+    before the runs: a multiturn's later turns have the room the answers before them leave, and one with none fails
+    the run (record, above) or the sweep at its point (below). The help says which is checked, and what a multiturn
+    turn without room does."""
+    import argparse
+
+    from app.cli import _build_parser
+
+    commands = next(a for a in _build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    said = {name: next(a.help for a in commands[name]._actions if a.dest == "scenario") for name in ("record", "sweep")}
+    checked = ("short: one question; long: a report of about 2,000 tokens, its main points asked for; multiturn: a "
+               "chat of six questions; all: the three, the long input left out where the model's sequences cannot hold "
+               "it and the answer length; a multiturn's turn the answers before it leave no room for fails ")
+    assert said == {"record": checked + "the run; the runs before it are saved (default short)",
+                    "sweep": checked + "the sweep at that point; the points before it are kept (default short)"}
+
+
 def test_a_sweeps_multiturn_past_the_context_does_not_say_to_start_a_new_conversation(copy_fixture, tmp_path,
                                                                                       capsys):
     """As record's (above): a sweep whose multiturn answers filled the model's context failed in the chat's "...:
