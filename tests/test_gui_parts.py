@@ -1605,11 +1605,11 @@ def test_a_one_token_answer_shows_no_decode_rate(qapp):
     one = {"time_to_first_token_s": 0.171, "decode_tokens_per_s": 0.0, "total_s": 0.17, "generated_tokens": 1,
            "prompt_tokens": 16}
     assert stats_line({"timings": one, "finish_reason": "length"}) == (
-        "first token 171 ms · 0.170 s · 1 token · prompt 16 tokens · token limit")
+        "first token 171 ms · answered in 0.170 s · 1 token · prompt 16 tokens · token limit")
     assert answered_text(one) == "Answered: 1 token"
     two = dict(one, decode_tokens_per_s=40.0, generated_tokens=2)
     assert stats_line({"timings": two, "finish_reason": "eos"}).startswith(
-        "first token 171 ms · 40.0 tok/s · 0.170 s · 2 tokens · ")
+        "first token 171 ms · 40.0 tok/s · answered in 0.170 s · 2 tokens · ")
     assert answered_text(two) == "Answered: 2 tokens, 40.0 tok/s"
     record = SimpleNamespace(turns=[{"timings": one, "generated_tokens": 1, "finish_reason": "length"}],
                              approximate_routing=False, timings={"completion_s": 0.17}, peaks={"device_bytes": None},
@@ -1629,7 +1629,7 @@ def test_a_fast_answers_time_reads_in_three_figures():
     fast = {"time_to_first_token_s": 0.0009, "decode_tokens_per_s": 2500.0, "total_s": 0.0022, "generated_tokens": 4,
             "prompt_tokens": 16}
     assert stats_line({"timings": fast, "finish_reason": "length"}).startswith(
-        "first token 1 ms · 2500.0 tok/s · 0.00220 s · 4 tokens · ")
+        "first token 1 ms · 2500.0 tok/s · answered in 0.00220 s · 4 tokens · ")
 
     def completion(seconds: float) -> str:
         turn = {"timings": fast, "generated_tokens": 4, "finish_reason": "length"}
@@ -1653,6 +1653,19 @@ def test_side_by_sides_completion_is_the_runs_under_the_historys_name(qapp):
                              peaks={"device_bytes": None}, offload={})
     assert side_stats(record)["completion"] == "0.300 s"
     assert "completion" in STATS and "completion" in HEADERS and "total" not in STATS
+
+
+def test_the_chats_answer_time_is_named_apart_from_a_runs_completion():
+    """The chat's line gave its answer's time (the turn's total_s) with no word, which the README and the pane called
+    "total", while History and side by side call a run's time (the record's completion_s) "completion": the line
+    names the answer's own time."""
+    from app.gui.chat_panel import stats_line
+
+    timings = {"time_to_first_token_s": 0.1, "decode_tokens_per_s": 50.0, "total_s": 1.5, "generated_tokens": 8,
+               "prompt_tokens": 4}
+    parts = stats_line({"timings": timings, "finish_reason": "length"}).split(" · ")
+    assert parts[2] == "answered in 1.50 s"
+    assert not any(word in part for part in parts for word in ("total", "completion"))
 
 
 def test_an_answers_agreement_with_exact_routing_says_of_how_many_tokens():

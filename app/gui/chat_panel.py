@@ -1,7 +1,8 @@
 """The chat pane: streaming answers, multi-turn with the cache kept, a system prompt, sampling
-settings, stop, regenerate, copy; under each answer its time to first token, tokens/s, total time
-and tokens. A model that reasons first (engine/reasoning.py) has its reasoning in a muted block above the answer, open
-while it streams ("Thinking…"), collapsed once the answer begins; a click opens or closes it."""
+settings, stop, regenerate, copy; under each answer its time to first token, tokens/s, the time it took
+("answered in": the answer's, where History's "completion" is a run's) and tokens. A model that reasons first
+(engine/reasoning.py) has its reasoning in a muted block above the answer, open while it streams ("Thinking…"),
+collapsed once the answer begins; a click opens or closes it."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def stats_line(result: dict) -> str:
         return ""
     tokens = t["generated_tokens"]
     parts = [f"first token {t['time_to_first_token_s'] * 1000:.0f} ms", decode_rate(t["decode_tokens_per_s"], none=""),
-             f"{seconds_figures(t['total_s'])} s", counted(tokens, "token")]
+             f"answered in {seconds_figures(t['total_s'])} s", counted(tokens, "token")]
     if t.get("projected_decode_tokens_per_s"):  # a simulated device (engine/offload/projection.py)
         parts.append(f"projected on the simulated card: {decode_rate(t['projected_decode_tokens_per_s'])}")
     prompt = f"prompt {t['prompt_tokens']} tokens"
