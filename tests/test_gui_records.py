@@ -641,7 +641,7 @@ def test_the_history_gives_b_the_budget_it_had_beside_a_then_the_one_it_asked(qt
     view = HistoryView(history)
     qtbot.addWidget(view)
     assert [view.table.item(row, HEADERS.index("budget")).text() for row in (0, 1)] == [
-        "276.0 KiB (asked 552.0 KiB)", "auto"]  # B, then A
+        "276.0 KiB (asked 552.0 KiB)", f"auto ({human_bytes(result.comparison.budgets[0].budget_bytes)})"]  # B, then A
     assert main(["history", "--history", str(history)]) == 0
     assert "  budget 276.0 KiB (asked 552.0 KiB)  " in capsys.readouterr().out.splitlines()[0]
 

@@ -353,6 +353,27 @@ def test_the_windows_history_gives_an_all_cpu_run_no_budget(qtbot, tmp_path, gre
     assert [view.table.item(row, budget).text() for row in (0, 1)] == ["195.3 KiB", "—"]
 
 
+def test_an_automatic_budget_says_the_bytes_it_came_to_in_the_list_and_the_window(qtbot, tmp_path, capsys, greedy):
+    """An automatic budget read "auto" in History and `history`, though the record keeps the bytes the plan came to
+    (budget_bytes): two automatic runs of other budgets (side-by-side's B, beside A) read alike."""
+    pytest.importorskip("pytestqt")
+    from app.cli import main
+    from app.gui.history_view import HEADERS, HistoryView
+    from engine.records.history import History
+
+    history = History(tmp_path / "h.sqlite3")
+    for had in (None, 1288490188):  # a record older than budget_bytes, then one that keeps it
+        offload = dict(greedy.offload, device="simulated GPU, 8.0 GiB", entries={}, budget_bytes=had)
+        history.add(RunRecord.from_dict(dict(greedy.to_dict(), offload=offload)))
+    view = HistoryView(tmp_path / "h.sqlite3")
+    qtbot.addWidget(view)
+    budget = HEADERS.index("budget")
+    assert [view.table.item(row, budget).text() for row in (0, 1)] == ["auto (1.2 GiB)", "auto"]
+    assert main(["history", "--history", str(history.path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "budget auto (1.2 GiB)  " in lines[0] and "budget auto  " in lines[1]
+
+
 def test_a_time_under_a_millisecond_reads_as_such_not_as_none(sampled):
     from app.gui.record_report import fmt
 

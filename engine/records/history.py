@@ -136,14 +136,17 @@ def device_text(row: dict) -> str:
 
 
 def budget_text(row: dict) -> str | None:
-    """A row's expert budget as the lists give it: device_expert_bytes or "auto" as asked; where the plan cut the bytes
+    """A row's expert budget as the lists give it: device_expert_bytes or "auto" as asked, an automatic one with the
+    bytes the plan came to ("auto (1.2 GiB)"; a record older than them says "auto" alone); where the plan cut the bytes
     asked to what the device had free (side-by-side's B beside A), the bytes the run had, then those asked ("1.2 GiB
     (asked 2.0 GiB)"). None for an all-CPU run: it budgets no device."""
     if (row["device"] or "cpu") == "cpu":
         return None
     asked, had = row["budget"], row["budget_bytes"]
-    if not (asked and asked.isdigit()):
-        return asked or "auto"
+    if not asked or asked == "auto":
+        return "auto" if had is None else f"auto ({human_bytes(had)})"
+    if not asked.isdigit():
+        return asked
     if had is not None and had < int(asked):
         return f"{human_bytes(had)} (asked {human_bytes(int(asked))})"
     return human_bytes(int(asked))
