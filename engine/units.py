@@ -51,6 +51,21 @@ def seconds_figures(seconds: float) -> str:
     return f"{seconds:.{2 - math.floor(math.log10(seconds))}f}"
 
 
+def duration_text(seconds: float) -> str:
+    """A time as the window gives every one (History, a run's detail and a comparison, side by side, the chat): three
+    significant figures in µs under a millisecond and in ms under a second (a small model's layer and answer: "32.0 µs",
+    "2.20 ms", "171 ms"), two decimals from a second on ("12.35 s"); 0 as "0 ms"."""
+    if seconds <= 0:
+        return "0 ms"
+    if float(f"{seconds:.3g}") >= 1:  # 0.9996 s reads "1.00 s", not "1000 ms"
+        return f"{seconds:.2f} s"
+    for scale, unit in ((1e3, "ms"), (1e6, "µs")):
+        value = float(f"{seconds * scale:.3g}")
+        if value >= 1 or unit == "µs":
+            return f"{value:.{max(0, 2 - math.floor(math.log10(value)))}f} {unit}"
+    raise AssertionError("unreachable")
+
+
 def parse_bytes(text: str) -> int | None:
     """'1.5 GiB', '512M', '1000000' -> bytes; 'auto' / '' -> None. Raises ValueError otherwise."""
     text = text.strip().lower()

@@ -842,7 +842,7 @@ def test_load_with_progress_then_chat_streams_with_statistics(qtbot, window, mon
     assert batches and sum(n for _t, n in batches) == int(first["stats"].split(" tokens")[0].rsplit(" ", 1)[-1])
     assert first["text"] and streamed.startswith(first["text"][:10])
     stats = first["stats"]
-    assert "first token" in stats and "tok/s" in stats and " s · " in stats and "tokens" in stats
+    assert "first token" in stats and "tok/s" in stats and " · answered in " in stats and "tokens" in stats
     assert first["text"] and first["text"][:5] in window.chat.transcript.toPlainText()
     assert "first token" in window.chat.transcript.toPlainText()
     assert window.status_state.text().startswith("Answered: ")  # (the busy label took its place: "Ready")

@@ -1458,8 +1458,8 @@ def test_side_by_side_compares_the_two_sides_speed_and_says_which_routing_each_u
                                routing_agreement=agreement, timings={})
 
     assert speed_text(record(0.012, 40.0), record(0.0034, 50.0)) == (
-        "B gave its first token in 3 ms, A in 12 ms; B decoded at 1.25× A's rate (50.0 against 40.0 tok/s).")
-    assert speed_text(record(0.01, 0.0), record(0.02, 0.0)) == "B gave its first token in 20 ms, A in 10 ms."
+        "B gave its first token in 3.40 ms, A in 12.0 ms; B decoded at 1.25× A's rate (50.0 against 40.0 tok/s).")
+    assert speed_text(record(0.01, 0.0), record(0.02, 0.0)) == "B gave its first token in 20.0 ms, A in 10.0 ms."
     at_once = "side-by-side, at once"
     assert speed_text(record(0.01, 40.0, at_once), record(0.01, 20.0, at_once)).endswith(
         "(20.0 against 40.0 tok/s), answering at once, each slowed by the other.")
@@ -1486,11 +1486,11 @@ def test_side_by_side_on_a_simulated_card_says_each_sides_projected_decode_rate_
     a, b = record(0.034, 588.5, 621.8), record(0.017, 661.5, 1529.9)
     assert side_stats(a)["decode"] == "588.5 tok/s, projected 621.8 tok/s"
     assert speed_text(a, b) == (
-        "B gave its first token in 17 ms, A in 34 ms; B decoded at 1.12× A's rate (661.5 against 588.5 tok/s); "
+        "B gave its first token in 17.0 ms, A in 34.0 ms; B decoded at 1.12× A's rate (661.5 against 588.5 tok/s); "
         "projected on the simulated card, B decodes at 2.46× A's rate (1529.9 against 621.8 tok/s).")
     one_token = record(0.034, 0.0, None)  # nothing decoded: no rate, measured or projected
     assert side_stats(one_token)["decode"] == "—"
-    assert speed_text(one_token, b) == "B gave its first token in 17 ms, A in 34 ms."
+    assert speed_text(one_token, b) == "B gave its first token in 17.0 ms, A in 34.0 ms."
 
 
 def test_side_by_sides_columns_keep_how_each_answer_ended_once_the_comparison_ends(qapp):
@@ -1605,11 +1605,11 @@ def test_a_one_token_answer_shows_no_decode_rate(qapp):
     one = {"time_to_first_token_s": 0.171, "decode_tokens_per_s": 0.0, "total_s": 0.17, "generated_tokens": 1,
            "prompt_tokens": 16}
     assert stats_line({"timings": one, "finish_reason": "length"}) == (
-        "first token 171 ms · answered in 0.170 s · 1 token · prompt 16 tokens · token limit")
+        "first token 171 ms · answered in 170 ms · 1 token · prompt 16 tokens · token limit")
     assert answered_text(one) == "Answered: 1 token"
     two = dict(one, decode_tokens_per_s=40.0, generated_tokens=2)
     assert stats_line({"timings": two, "finish_reason": "eos"}).startswith(
-        "first token 171 ms · 40.0 tok/s · answered in 0.170 s · 2 tokens · ")
+        "first token 171 ms · 40.0 tok/s · answered in 170 ms · 2 tokens · ")
     assert answered_text(two) == "Answered: 2 tokens, 40.0 tok/s"
     record = SimpleNamespace(turns=[{"timings": one, "generated_tokens": 1, "finish_reason": "length"}],
                              approximate_routing=False, timings={"completion_s": 0.17}, peaks={"device_bytes": None},
@@ -1629,13 +1629,13 @@ def test_a_fast_answers_time_reads_in_three_figures():
     fast = {"time_to_first_token_s": 0.0009, "decode_tokens_per_s": 2500.0, "total_s": 0.0022, "generated_tokens": 4,
             "prompt_tokens": 16}
     assert stats_line({"timings": fast, "finish_reason": "length"}).startswith(
-        "first token 1 ms · 2500.0 tok/s · answered in 0.00220 s · 4 tokens · ")
+        "first token 900 µs · 2500.0 tok/s · answered in 2.20 ms · 4 tokens · ")
 
     def completion(seconds: float) -> str:
         turn = {"timings": fast, "generated_tokens": 4, "finish_reason": "length"}
         return side_stats(SimpleNamespace(turns=[turn], approximate_routing=False, timings={"completion_s": seconds},
                                           peaks={"device_bytes": None}, offload={}))["completion"]
-    assert (completion(0.0022), completion(12.345)) == ("0.00220 s", "12.35 s")
+    assert (completion(0.0022), completion(12.345)) == ("2.20 ms", "12.35 s")
 
 
 def test_side_by_sides_completion_is_the_runs_under_the_historys_name(qapp):
@@ -1651,8 +1651,30 @@ def test_side_by_sides_completion_is_the_runs_under_the_historys_name(qapp):
             "generated_tokens": 8, "finish_reason": "length"}
     record = SimpleNamespace(turns=[turn], approximate_routing=False, timings={"completion_s": 0.3},
                              peaks={"device_bytes": None}, offload={})
-    assert side_stats(record)["completion"] == "0.300 s"
+    assert side_stats(record)["completion"] == "300 ms"
     assert "completion" in STATS and "completion" in HEADERS and "total" not in STATS
+
+
+def test_the_window_gives_a_time_in_one_format_wherever_it_shows_one(qapp):
+    """History gave a run's completion as "123 ms" while side by side gave the same record's as "0.123 s", and the
+    chat's first token "1 ms" for 0.9 ms: every time in these views is units.duration_text's."""
+    from types import SimpleNamespace
+
+    from app.gui.chat_panel import stats_line
+    from app.gui.record_report import fmt
+    from app.gui.side_by_side_view import side_stats
+
+    for seconds, text in ((0.123, "123 ms"), (0.0022, "2.20 ms"), (0.0009, "900 µs"), (0.9996, "1.00 s"),
+                          (12.345, "12.35 s")):
+        timings = {"time_to_first_token_s": seconds, "decode_tokens_per_s": 40.0, "total_s": seconds,
+                   "generated_tokens": 2, "prompt_tokens": 4}
+        record = SimpleNamespace(turns=[{"timings": timings, "generated_tokens": 2, "finish_reason": "length"}],
+                                 approximate_routing=False, timings={"completion_s": seconds},
+                                 peaks={"device_bytes": None}, offload={})
+        stats = side_stats(record)
+        line = stats_line({"timings": timings, "finish_reason": "length"})
+        assert fmt(seconds, "s") == stats["completion"] == stats["first token"] == text
+        assert line.startswith(f"first token {text} · 40.0 tok/s · answered in {text} · ")
 
 
 def test_the_chats_answer_time_is_named_apart_from_a_runs_completion():

@@ -30,7 +30,7 @@ from engine.records.history import History  # noqa: E402
 from engine.records.scenarios import run_scenario  # noqa: E402
 from engine.records.side_by_side import first_divergence  # noqa: E402
 from engine.records.sweep import recommend  # noqa: E402
-from engine.units import counted, human_bytes, seconds_figures  # noqa: E402
+from engine.units import counted, duration_text, human_bytes, seconds_figures  # noqa: E402
 from tests.conftest import fixture_folder  # noqa: E402
 
 WAIT = 60_000
@@ -370,7 +370,7 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
                                                   f"projected {record.timings['projected']['decode_tokens_per_s']:.1f} "
                                                   "tok/s")
         assert column.values["device peak"].text() == human_bytes(record.peaks["device_bytes"])
-        assert column.values["completion"].text() == f"{seconds_figures(record.timings['completion_s'])} s"
+        assert column.values["completion"].text() == duration_text(record.timings["completion_s"])
     assert sorted(window.history.ids()) == sorted(view.result.saved_ids) and len(view.result.saved_ids) == 2
     assert len(waits) == 1 and waits[0] is not window.worker._device  # the right side's own device, once
     # B with whole layers (this app's own setting beside onnxruntime's keys): the same answer, and its record says so

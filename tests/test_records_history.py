@@ -377,10 +377,11 @@ def test_an_automatic_budget_says_the_bytes_it_came_to_in_the_list_and_the_windo
 def test_a_time_under_a_millisecond_reads_as_such_not_as_none(sampled):
     from app.gui.record_report import fmt
 
-    assert (fmt(3.2e-5, "s"), fmt(0.0, "s"), fmt(0.0123, "s"), fmt(1.5, "s")) == ("32 µs", "0 ms", "12 ms", "1.50 s")
+    times = (fmt(3.2e-5, "s"), fmt(0.0, "s"), fmt(0.0123, "s"), fmt(1.5, "s"))
+    assert times == ("32.0 µs", "0 ms", "12.3 ms", "1.50 s")
     layer = dict(sampled.layers[0] if sampled.layers else {}, hits=1, misses=2, cpu_s=3.2e-5, device_s=0.0)
     record = RunRecord.from_dict(dict(sampled.to_dict(), layers=[layer]))
-    assert " 32 µs 0 ms " in plain(detail_html(record))  # the layer's CPU and device time
+    assert " 32.0 µs 0 ms " in plain(detail_html(record))  # the layer's CPU and device time
 
 
 def test_a_label_of_two_lines_stays_in_its_markdown_row(tmp_path, greedy):

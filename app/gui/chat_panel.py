@@ -22,7 +22,7 @@ from app.gui.placement_view import split_text
 from app.gui.stream_pacing import Pacer
 from app.gui.widgets import MAX_ANSWER_TOKENS, AnswerLength, OneLineLabel, unknown_key
 from engine.offload.approximate import agreement_text
-from engine.units import counted, decode_rate, seconds_figures
+from engine.units import counted, decode_rate, duration_text
 
 # Settings ▸ Stop at: texts separated by |, but for the bars of a special token's own text (<|im_end|>), which a stop
 # text may name (engine/generation.py's VisibleText)
@@ -66,8 +66,8 @@ def stats_line(result: dict) -> str:
     if not t:
         return ""
     tokens = t["generated_tokens"]
-    parts = [f"first token {t['time_to_first_token_s'] * 1000:.0f} ms", decode_rate(t["decode_tokens_per_s"], none=""),
-             f"answered in {seconds_figures(t['total_s'])} s", counted(tokens, "token")]
+    parts = [f"first token {duration_text(t['time_to_first_token_s'])}", decode_rate(t["decode_tokens_per_s"], none=""),
+             f"answered in {duration_text(t['total_s'])}", counted(tokens, "token")]
     if t.get("projected_decode_tokens_per_s"):  # a simulated device (engine/offload/projection.py)
         parts.append(f"projected on the simulated card: {decode_rate(t['projected_decode_tokens_per_s'])}")
     prompt = f"prompt {t['prompt_tokens']} tokens"

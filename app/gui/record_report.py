@@ -10,7 +10,7 @@ from engine.records.environment import cuda_version_text
 from engine.records.scenarios import device_parts_text
 from engine.records.schema import RunRecord, decode_path_run, fallback_reason
 from engine.sampling import SamplingParams, describe
-from engine.units import counted, human_bytes
+from engine.units import counted, duration_text, human_bytes
 
 NOT_RECORDED = "not recorded"
 
@@ -88,10 +88,8 @@ def hit_rate(record: RunRecord) -> float | None:
 def fmt(value, unit: str) -> str:
     if value is None:
         return "—"
-    if unit == "s":  # a time under a millisecond (a small model's layer) in µs: not "0 ms"
-        if 0 < value < 0.001:
-            return f"{value * 1e6:.0f} µs"
-        return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+    if unit == "s":
+        return duration_text(value)
     if unit == "tok/s":
         return f"{value:.1f} tok/s"
     if unit == "bytes":

@@ -29,7 +29,7 @@ from engine.offload.config import DEVICE_KEYS, keys_among
 from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import MODES as SPLIT_MODES
 from engine.records.side_by_side import NEAR_TIE, SCENARIO_AT_ONCE, SideBudget, budget_beside_a
-from engine.units import decode_rate, human_bytes, seconds_figures
+from engine.units import decode_rate, duration_text, human_bytes
 
 KIND = "comparing"
 # "completion": the run's time, its record's completion_s, as the History's column of that name gives it
@@ -106,8 +106,8 @@ def entries_text(entries: dict) -> str:
 def speed_text(a, b) -> str:
     """B's first token and decode rate against A's (records that answered)."""
     ta, tb = (record.turns[0]["timings"] for record in (a, b))
-    text = (f"B gave its first token in {tb['time_to_first_token_s'] * 1000:.0f} ms, A in "
-            f"{ta['time_to_first_token_s'] * 1000:.0f} ms")
+    text = (f"B gave its first token in {duration_text(tb['time_to_first_token_s'])}, A in "
+            f"{duration_text(ta['time_to_first_token_s'])}")
     if ta["decode_tokens_per_s"] and tb["decode_tokens_per_s"]:
         text += (f"; B decoded at {tb['decode_tokens_per_s'] / ta['decode_tokens_per_s']:.2f}× A's rate "
                  f"({tb['decode_tokens_per_s']:.1f} against {ta['decode_tokens_per_s']:.1f} tok/s)")
@@ -170,8 +170,8 @@ def side_stats(record, budget: SideBudget | None = None) -> dict[str, str]:
     decode = decode_rate(t["decode_tokens_per_s"], none="—")
     if projected_decode(record):
         decode += f", projected {decode_rate(projected_decode(record))}"  # short: the comparison below names the card
-    return {"first token": f"{t['time_to_first_token_s'] * 1000:.0f} ms", "decode": decode,
-            "completion": f"{seconds_figures(record.timings['completion_s'])} s",
+    return {"first token": duration_text(t["time_to_first_token_s"]), "decode": decode,
+            "completion": duration_text(record.timings["completion_s"]),
             "tokens": ended_status(turn["finish_reason"], turn["generated_tokens"]),
             "expert budget": budget_text(budget),
             "device peak": device_peak_text(record.peaks["device_bytes"], record.offload.get("device_fallback")),
