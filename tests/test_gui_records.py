@@ -573,6 +573,19 @@ SHARED_CARD = {"device": {"kind": "simulated", "capacity": 56 * EXPERT},
                "entries": {"reserve_device_bytes": str(4 * EXPERT)}}
 
 
+def shared_card_context(jobs, make_device=None):
+    """A side-by-side job's context with A (gptoss, SHARED_CARD's entries) loaded on the simulated card; B's device
+    shares the card (`make_device`: another way to make B's)."""
+    card, entries = SHARED_CARD["device"]["capacity"], SHARED_CARD["entries"]
+    device = SimulatedDevice(card)
+    left = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig.from_entries(entries), device=device)
+    if make_device is None:
+        def make_device(_choice, config, _notes):
+            return SimulatedDevice(card, mem_limit=config.gpu_device_mem_limit)
+    return device, jobs.JobContext(left, device, SHARED_CARD["device"], threading.Event(), lambda *_: None,
+                                   lambda _: None, make_device)
+
+
 def test_side_by_side_loads_b_beside_a_on_the_simulated_card_and_gives_each_sides_budget(tmp_path):
     """B is loaded while A stays loaded. On a real card B's CudaDevice sees the driver's free memory, what A leaves,
     so an automatic budget of B's (that free memory less reserve_device_bytes) comes out smaller than A's; the
@@ -580,11 +593,8 @@ def test_side_by_side_loads_b_beside_a_on_the_simulated_card_and_gives_each_side
     showed it. B now shares the simulated card with A, and the comparison carries each side's budget as set."""
     import app.gui.records_jobs as jobs
 
-    card, entries = SHARED_CARD["device"]["capacity"], SHARED_CARD["entries"]
-    device = SimulatedDevice(card)
-    left = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig.from_entries(entries), device=device)
-    ctx = jobs.JobContext(left, device, SHARED_CARD["device"], threading.Event(), lambda *_: None, lambda _: None,
-                          lambda _choice, config, _notes: SimulatedDevice(card, mem_limit=config.gpu_device_mem_limit))
+    entries = SHARED_CARD["entries"]
+    device, ctx = shared_card_context(jobs)
     result = jobs.SideBySideJob("Compare the two sides", 2, entries, history_path=str(tmp_path / "h.sqlite"))(ctx)
     assert result.comparison.records[1].offload["statements"][0] == (
         "4 expert slots for the 16 experts on the simulated GPU, 1.9 MiB (138.0 KiB of a 138.0 KiB expert budget).")
@@ -599,11 +609,8 @@ def test_side_by_side_says_b_could_not_load_beside_a_where_the_device_had_too_li
     same settings A had loaded with: the device A holds most of. It now says so; an error of another kind does not."""
     import app.gui.records_jobs as jobs
 
-    card, entries = SHARED_CARD["device"]["capacity"], SHARED_CARD["entries"]
-    device = SimulatedDevice(card)
-    left = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig.from_entries(entries), device=device)
-    ctx = jobs.JobContext(left, device, SHARED_CARD["device"], threading.Event(), lambda *_: None, lambda _: None,
-                          lambda _choice, config, _notes: SimulatedDevice(card, mem_limit=config.gpu_device_mem_limit))
+    entries = SHARED_CARD["entries"]
+    device, ctx = shared_card_context(jobs)
 
     def b_failure(b_entries: dict) -> str:
         job = jobs.SideBySideJob("Hi", 1, {**entries, **b_entries}, history_path=str(tmp_path / "h.sqlite"))
@@ -628,11 +635,8 @@ def test_the_history_gives_b_the_budget_it_had_beside_a_then_the_one_it_asked(qt
     from app.cli import main
     from app.gui.history_view import HEADERS, HistoryView
 
-    card, entries = SHARED_CARD["device"]["capacity"], SHARED_CARD["entries"]
-    device = SimulatedDevice(card)
-    left = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig.from_entries(entries), device=device)
-    ctx = jobs.JobContext(left, device, SHARED_CARD["device"], threading.Event(), lambda *_: None, lambda _: None,
-                          lambda _choice, config, _notes: SimulatedDevice(card, mem_limit=config.gpu_device_mem_limit))
+    entries = SHARED_CARD["entries"]
+    device, ctx = shared_card_context(jobs)
     history = tmp_path / "h.sqlite"
     result = jobs.SideBySideJob("Hi", 1, {**entries, "device_expert_bytes": str(16 * EXPERT)},
                                 history_path=str(history))(ctx)
@@ -655,11 +659,8 @@ def test_the_history_says_a_sides_process_rss_peak_holds_both_sides_models(qtbot
     from app.gui.history_view import HEADERS, RSS_TIP, HistoryView
     from app.gui.record_report import detail_html
 
-    card, entries = SHARED_CARD["device"]["capacity"], SHARED_CARD["entries"]
-    device = SimulatedDevice(card)
-    left = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig.from_entries(entries), device=device)
-    ctx = jobs.JobContext(left, device, SHARED_CARD["device"], threading.Event(), lambda *_: None, lambda _: None,
-                          lambda _choice, config, _notes: SimulatedDevice(card, mem_limit=config.gpu_device_mem_limit))
+    entries = SHARED_CARD["entries"]
+    device, ctx = shared_card_context(jobs)
     history = tmp_path / "h.sqlite"
     both = jobs.SideBySideJob("Hi", 1, entries, history_path=str(history))(ctx).comparison.records
     assert [record.peaks["other_side_loaded"] for record in both] == [True, True]
@@ -683,11 +684,8 @@ def test_side_by_side_does_not_blame_a_where_bs_own_gpu_device_mem_limit_left_it
     failed "(beside A, which stays loaded and holds 1.1 MiB of the device)": the limit's sums alone say why."""
     import app.gui.records_jobs as jobs
 
-    card, entries = SHARED_CARD["device"]["capacity"], SHARED_CARD["entries"]
-    device = SimulatedDevice(card)
-    left = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig.from_entries(entries), device=device)
-    ctx = jobs.JobContext(left, device, SHARED_CARD["device"], threading.Event(), lambda *_: None, lambda _: None,
-                          lambda *_: None)
+    entries = SHARED_CARD["entries"]
+    _, ctx = shared_card_context(jobs, make_device=lambda *_: None)
     job = jobs.SideBySideJob("Hi", 1, {**entries, "mode": "required", "gpu_device_mem_limit": "100000"},
                              history_path=str(tmp_path / "h.sqlite"))
     failure = job(ctx).comparison.failures[1]
