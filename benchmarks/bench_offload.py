@@ -43,6 +43,7 @@ from engine.generation import LoadedModel  # noqa: E402
 from engine.host_load import HostLoadMeter  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.decode_path import MODES as PATH_MODES, measured_words  # noqa: E402
+from engine.offload.miss_policy import cpu_rate_words  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.offload.traces import SWITCH_EVERY, hit_rate, realistic_trace  # noqa: E402
 from engine.records.schema import ALL_RESIDENT  # noqa: E402
@@ -464,9 +465,12 @@ def calibration_words(calibration: dict, b_dram: float) -> str:
 
 def cpu_rate_in_force(offload) -> dict:
     """The CPU kernels' rate the engine holds for the decode path in force: the split's under "both" (from its
-    parts), else the CPU path's calls'."""
+    parts), else the CPU path's calls'; in force (at most the host's streaming read) and as measured
+    (OffloadEngine.cpu_rate_state)."""
     rate = offload.split_cpu_rate if offload.splits_cold else offload.cpu_rate
-    return {"bytes_per_s": rate.value, "fixed_s": rate.fixed_s, "average_bytes_per_s": rate.average}
+    state = offload.cpu_rate_state(rate)
+    return {"bytes_per_s": state["cpu_bytes_per_s"], "measured_bytes_per_s": state["cpu_measured_bytes_per_s"],
+            "fixed_s": rate.fixed_s, "average_bytes_per_s": rate.average}
 
 
 def cpu_kernels(rate: dict, path: dict, misses_cpu: int, calibration: float) -> dict:
@@ -481,12 +485,13 @@ def cpu_kernels(rate: dict, path: dict, misses_cpu: int, calibration: float) -> 
 
 def cpu_kernels_words(figure: dict) -> str:
     """' (CPU kernels 47 GB/s + 90 µs a call, average 40 GB/s = 39% of them alone)' where a decode figure has its
-    CPU kernels (cpu_kernels); else ''."""
+    CPU kernels (cpu_kernels), with the measured rate where the stream clamped it (cpu_rate_words); else ''."""
     if "cpu_kernels" not in figure:
         return ""
     rate = figure["cpu_kernels"]
-    return (f" (CPU kernels {rate['bytes_per_s'] / 1e9:.0f} GB/s + {rate['fixed_s'] * 1e6:.0f} µs a call, average "
-            f"{rate['average_bytes_per_s'] / 1e9:.0f} GB/s = {rate['average_to_calibration']:.0%} of them alone)")
+    return (f" (CPU kernels {cpu_rate_words(rate['bytes_per_s'], rate['measured_bytes_per_s'], rate['fixed_s'])}, "
+            f"average {rate['average_bytes_per_s'] / 1e9:.0f} GB/s = {rate['average_to_calibration']:.0%} of them "
+            f"alone)")
 
 
 def engine_after_decode(model: LoadedModel) -> tuple[dict, dict]:
@@ -497,7 +502,9 @@ def engine_after_decode(model: LoadedModel) -> tuple[dict, dict]:
     force (the split's under "both", from its parts; else the CPU path's calls')."""
     offload = model.offload
     groups = offload.streaming.groups
-    return ({"cpu_rate": offload.cpu_rate.value, "cpu_fixed_s": offload.cpu_rate.fixed_s,
+    held = offload.cpu_rate_state(offload.cpu_rate)
+    return ({"cpu_rate": held["cpu_bytes_per_s"], "cpu_measured_rate": held["cpu_measured_bytes_per_s"],
+             "cpu_fixed_s": offload.cpu_rate.fixed_s,
              "cpu_average_rate": offload.cpu_rate.average, "miss_slots_per_layer": list(offload.policy.miss_slots),
              "copy_prepare_s": getattr(offload.stores[0], "prepare_s", None), "copy_reuse": offload.copy_reuse.value,
              "pinned": offload.pinned_info(), "streaming_slots": [group.num_slots for group in groups],

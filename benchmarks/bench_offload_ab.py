@@ -68,6 +68,7 @@ from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.config import PREFIX  # noqa: E402
 from engine.offload.decode_path import BOTH, MODES as PATH_MODES, default_decode_path  # noqa: E402
 from engine.offload.layer_split import MODES as SPLIT_MODES, SPREAD  # noqa: E402
+from engine.offload.miss_policy import cpu_rate_words as words  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.units import counted, layer_words  # noqa: E402
 from kernels.cpu import omp_pool  # noqa: E402
@@ -261,19 +262,22 @@ def engine_figures(model: LoadedModel) -> dict:
     engine = model.offload
     totals, state = engine.stats.totals(), engine.copy_state()
     path = path_run(model, state["decode_path"])
-    rate = engine.split_cpu_rate if engine.splits_cold else engine.cpu_rate  # the "both" parts' under "both"
+    # the "both" parts' under "both"; in force, and as measured (OffloadEngine.cpu_rate_state)
+    rate = engine.cpu_rate_state(engine.split_cpu_rate if engine.splits_cold else engine.cpu_rate)
     return {"hit_rate": totals.hit_rate, "misses_cpu": totals.misses_cpu, "misses_copied": totals.misses_copied,
             "misses_read": totals.misses_read, "miss_copies": totals.miss_copies, "swaps": totals.swaps,
             "miss_slots": max(state["miss_slots"], default=0), "whole_layers": state["layer_split"]["whole_layers"],
             "decode_path": path["in_force"], "cold_split": path["cold_split"], "path": path,
-            "placement": state.get("placement"), "cpu_rate": rate.value, "cpu_fixed_s": rate.fixed_s}
+            "placement": state.get("placement"), "cpu_rate": rate["cpu_bytes_per_s"],
+            "cpu_measured_rate": rate["cpu_measured_bytes_per_s"], "cpu_fixed_s": rate["cpu_call_s"]}
 
 
 def cpu_rate_words(figures: dict) -> str:
-    """', CPU kernels 138 GB/s + 44 µs a call' where the engine measured its CPU kernels; else ''."""
+    """', CPU kernels 138 GB/s + 44 µs a call' where the engine measured its CPU kernels, with the measured rate where
+    the stream clamped it (miss_policy.cpu_rate_words); else ''."""
     if not figures.get("cpu_rate"):
         return ""
-    return f", CPU kernels {figures['cpu_rate'] / 1e9:.0f} GB/s + {figures['cpu_fixed_s'] * 1e6:.0f} µs a call"
+    return f", CPU kernels {words(figures['cpu_rate'], figures['cpu_measured_rate'], figures['cpu_fixed_s'])}"
 
 
 def last_round_line(name: str, last: dict) -> str:

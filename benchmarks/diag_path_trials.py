@@ -94,14 +94,16 @@ def run_steps(model, state, token: int, steps: int, runs: dict, at_step: dict | 
         split = engine.copy_state()["decode_path"]["cold_split"]  # None unless "both" is in force
         cpu_misses = sum(layer.misses - layer.misses_read for layer in stats.layers) - cpu_before
         read = sum(layer.misses_read for layer in stats.layers) - read_before
-        cpu_rate = engine.split_cpu_rate if engine.splits_cold else engine.cpu_rate  # the one the table comes from
-        rate = cpu_rate.value or 0.0
+        # the one the table comes from, in force; the measured one beside it where the stream clamped it
+        cpu_rate = engine.cpu_rate_state(engine.split_cpu_rate if engine.splits_cold else engine.cpu_rate)
+        rate, measured = cpu_rate["cpu_bytes_per_s"] or 0.0, cpu_rate["cpu_measured_bytes_per_s"] or 0.0
+        clamped = f" (measured {measured / 1e9:.1f})" if measured > rate else ""
         tier = engine.tier_read.value or 0.0
         print(f"{step:4d} {ms:7.2f} {engine.decode_path_in_force:>4}/{trial['measuring'] or '-':>4}  "
               f"replays {replays - before_replays:3d} runs {runs['runs'] - before_runs:3d} held {held:3d}  "
               f"cpu {cpu_misses:4d} read {read:4d}  "
               f"table {tables_text(split):>17}  "
-              f"{rate / 1e9:5.1f}+{cpu_rate.fixed_s * 1e6:4.0f}  {tier / 1e9:4.1f}  "
+              f"{rate / 1e9:5.1f}+{cpu_rate['cpu_call_s'] * 1e6:4.0f}{clamped}  {tier / 1e9:4.1f}  "
               f"{engine.host_gap.value * 1e6:5.0f}  share {engine.share_trials.shift:+d}"
               f"/{engine.share_trials.state()['measuring'] or '-'}  beside {decoder.layers_beside - beside:2d} "
               f"again {decoder.steps_run_again - again}  cpu ms {(stats.phases['decode'].cpu_s - cpu_s) * 1e3:5.2f}",
@@ -162,8 +164,9 @@ def main() -> None:
         state = model.new_state()
         token = int(model.decoder.forward(state, prompt)[-1].argmax())
         print(f"== {fraction:.0%} resident; step ms, path in force / trial timing, dense replays / onnxruntime runs "
-              f"/ graphs held, misses cpu / read, table, CPU rate GB/s + fixed µs, tier GB/s, host gap µs, the CPU's "
-              f"share shift in force / trial timing, layers the worker took, steps run again, the CPU's ms", flush=True)
+              f"/ graphs held, misses cpu / read, table, CPU rate GB/s + fixed µs (measured GB/s where the host's "
+              f"streaming read clamped it), tier GB/s, host gap µs, the CPU's share shift in force / trial timing, "
+              f"layers the worker took, steps run again, the CPU's ms", flush=True)
         token, _ = run_steps(model, state, token, args.steps, runs)
         print(f"trials: {engine.path_trials.state()}, share: {engine.share_trials.state()}", flush=True)
         for gate in ((True, False) if args.gate_ab else (True,)) if args.then_both else ():

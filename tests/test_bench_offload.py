@@ -474,3 +474,22 @@ def test_a_points_line_gives_its_ratio_to_each_of_its_bounds(tmp_path, monkeypat
     # the misses as the trace lines give them: 'misses cpu/copied 0/0/read 256' read as a third count of two names
     assert (f"  misses cpu/copied/read {point['misses_cpu']}/{point['misses_copied']}/{point['misses_read']}, "
             f"decode path ") in line
+
+
+def test_a_points_cpu_rate_is_the_one_in_force_with_the_measured_one_beside_it(tmp_path):
+    """A point's figure and line said the CPU kernels' rate as measured, where the miss policy and the split's tables
+    price a CPU miss at the rate clamped to the host's streaming read (cpu_bytes_per_s): they say the rate in force,
+    and the measured one beside it where the stream clamped it."""
+    import benchmarks.bench_offload as bench
+    from engine.writer import write_model
+    from tests.test_offload import SPEC, clamped_rates_model
+
+    model = clamped_rates_model(write_model(tmp_path / "m", SPEC))  # 400 GB/s measured, 40 streaming
+    held, in_force = bench.engine_after_decode(model)
+    assert (held["cpu_rate"], held["cpu_measured_rate"]) == (40e9, pytest.approx(400e9))
+    assert (in_force["bytes_per_s"], in_force["measured_bytes_per_s"]) == (40e9, pytest.approx(400e9))
+    figure = bench.cpu_kernels(in_force, {"in_force": "both"}, 1, in_force["average_bytes_per_s"])
+    assert bench.cpu_kernels_words(figure).startswith(
+        " (CPU kernels 40 GB/s + 2 µs a call (measured 400, clamped to the stream), average ")
+    figure["cpu_kernels"]["measured_bytes_per_s"] = 40e9  # a rate within the stream is said alone
+    assert bench.cpu_kernels_words(figure).startswith(" (CPU kernels 40 GB/s + 2 µs a call, average ")

@@ -804,3 +804,17 @@ def test_the_abs_lines_count_one_round_layer_and_step_in_the_singular(tmp_path, 
     last.update(layers_ahead=2, steps_run_again=0)
     assert ab.last_round_line("B", last).endswith(
         ", 2 layers launched ahead, 1 on the worker, 0 steps run again (warm-up included)")
+
+
+def test_a_variants_last_round_says_the_cpu_rate_in_force_with_the_measured_one_beside_it(tmp_path):
+    """engine_figures gave the CPU kernels' rate as measured, where the miss policy and the split's tables price a CPU
+    miss at the rate clamped to the host's streaming read (cpu_bytes_per_s): the rate in force is said, and the
+    measured one beside it where the stream clamped it."""
+    import benchmarks.bench_offload_ab as ab
+    from engine.writer import write_model
+    from tests.test_offload import SPEC, clamped_rates_model
+
+    figures = ab.engine_figures(clamped_rates_model(write_model(tmp_path / "m", SPEC)))  # 400 GB/s measured, 40 read
+    assert (figures["cpu_rate"], figures["cpu_measured_rate"]) == (40e9, pytest.approx(400e9))
+    assert ab.cpu_rate_words(figures) == ", CPU kernels 40 GB/s + 2 µs a call (measured 400, clamped to the stream)"
+    assert ab.cpu_rate_words({**figures, "cpu_measured_rate": 40e9}) == ", CPU kernels 40 GB/s + 2 µs a call"

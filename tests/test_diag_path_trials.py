@@ -30,3 +30,17 @@ def test_each_steps_line_and_the_both_windows_end_show_every_layers_table(tmp_pa
     both_window(model, state, token, 4, runs, None, True)
     assert "; table 0,1,1,2,2 in layers 0-1; 0,0,1,1,2 in layer 2, 0 slow steps left out in the window\n" in \
         capsys.readouterr().out
+
+
+def test_each_steps_line_says_the_cpu_rate_in_force_with_the_measured_one_beside_it(tmp_path, capsys):
+    """A step's line gave the CPU rate as measured, where the split's tables price a CPU miss at the rate clamped to
+    the host's streaming read (cpu_bytes_per_s): it gives the rate in force, the measured one beside it."""
+    from benchmarks.diag_path_trials import count_runs, run_steps
+    from engine.writer import write_model
+    from tests.test_offload import SPEC, clamped_rates_model
+
+    model = clamped_rates_model(write_model(tmp_path / "m", SPEC))  # 400 GB/s + 2 µs measured, 40 GB/s streaming
+    state = model.new_state()
+    token = int(model.decoder.forward(state, [5, 6, 7])[-1].argmax())
+    run_steps(model, state, token, 1, count_runs(model))
+    assert "   40.0+   2 (measured 400.0)  " in capsys.readouterr().out

@@ -49,6 +49,9 @@ def test_the_split_tables_inputs_are_said_with_the_table_in_force():
     from benchmarks.diag_worker_parts import split_inputs
 
     engine = SimpleNamespace(split_cpu_rate=SimpleNamespace(value=95e9, fixed_s=41e-6),
+                             cpu_rate_state=lambda rate: {"cpu_bytes_per_s": rate.value,
+                                                          "cpu_measured_bytes_per_s": rate.value,
+                                                          "cpu_call_s": rate.fixed_s},
                              tier_read=SimpleNamespace(value=None), host_gap=SimpleNamespace(value=2e-6),
                              share_trials=SimpleNamespace(choice="one fewer"),
                              cold_split_table=lambda layer: np.array([0, 1, 1, 2, 3, 3, 4, 5, 5 + layer]),
@@ -62,3 +65,15 @@ def test_the_split_tables_inputs_are_said_with_the_table_in_force():
     assert split_inputs(engine, 0).endswith("of 0..k cold pairs, a pair split at rows [0, 0, 0, 0, 0, 0, 0, 0, 384]")
     engine.cold_split_rows = lambda layer: np.zeros(9, np.int32)
     assert split_inputs(engine, 0).endswith("of 0..k cold pairs")
+
+
+def test_the_split_tables_inputs_say_the_cpu_rate_in_force_with_the_measured_one_beside_it(tmp_path):
+    """The split's inputs said the CPU's rate as measured, where its table prices a CPU miss at the rate clamped to
+    the host's streaming read (cpu_bytes_per_s): they say the rate in force, the measured one beside it."""
+    from benchmarks.diag_worker_parts import split_inputs
+    from engine.writer import write_model
+    from tests.test_offload import SPEC, clamped_rates_model
+
+    engine = clamped_rates_model(write_model(tmp_path / "m", SPEC)).offload  # 400 GB/s measured, 40 streaming
+    assert split_inputs(engine, 0).startswith("the split's table from: CPU 40.0 GB/s + 2 µs a call (measured 400.0, "
+                                              "clamped to the stream), tier reads not measured, ")

@@ -2669,6 +2669,11 @@ def test_the_copies_line_says_their_later_hits():
         "CPU misses priced at 64.2 GB/s + 190 µs a call"
     assert copies_text({"cpu_bytes_per_s": 25e9, "cpu_call_s": 0.0}) == "CPU misses priced at 25.0 GB/s"
     assert copies_text({"cpu_bytes_per_s": None, "cpu_call_s": 0.0}) == ""
+    # the rate in force, the measured one beside it where the host's streaming read clamped it (cpu_rate_state)
+    assert copies_text({"cpu_bytes_per_s": 40e9, "cpu_measured_bytes_per_s": 400e9, "cpu_call_s": 2e-6}) == \
+        "CPU misses priced at 40.0 GB/s + 2 µs a call (measured 400.0 GB/s, clamped to the host's streaming read)"
+    assert copies_text({"cpu_bytes_per_s": 25e9, "cpu_measured_bytes_per_s": 25e9, "cpu_call_s": 0.0}) == \
+        "CPU misses priced at 25.0 GB/s"
     # a rate below 0.05 GB/s (tiny experts, a busy CPU: each call's fixed cost) read "0.0 GB/s", as if free
     assert copies_text({"cpu_bytes_per_s": 32.7e6, "cpu_call_s": 0.0173}) == \
         "CPU misses priced at 32.7 MB/s + 17300 µs a call"
@@ -2709,6 +2714,10 @@ def test_the_copies_line_and_the_landed_sentences_say_where_decode_computes_cold
                                                        "CPU's parts at 65 GB/s, after 190 µs of host work a layer)")
     assert copies_text({"decode_path": {**both, "cold_split": {**both["cold_split"], "cpu_bytes_per_s": 420e6}}}) \
         .endswith("the CPU's parts at 420 MB/s, after 190 µs of host work a layer)")  # not "0 GB/s"
+    clamped = {**both["cold_split"], "cpu_bytes_per_s": 40e9, "cpu_measured_bytes_per_s": 65.4e9}
+    assert copies_text({"decode_path": {**both, "cold_split": clamped}}).endswith(
+        "the CPU's parts at 40 GB/s (measured 65 GB/s, clamped to the host's streaming read), after 190 µs of host "
+        "work a layer)")
     both["cold_split"]["slow_steps_left_out"] = 3  # steps slowed by other work, not counted (spike_gate)
     assert copies_text({"decode_path": both}).endswith("the CPU's parts at 65 GB/s (3 slow steps left out), after 190 "
                                                        "µs of host work a layer)")

@@ -375,13 +375,45 @@ def test_under_decode_path_both_the_cpus_share_follows_the_rates_measured_in_its
     assert state == {"cpu_takes": engine.cold_split_table(0).tolist(), "split_rows": None,
                      "tables": [{"layers": [0, 1, 2], "cpu_takes": engine.cold_split_table(0).tolist(),
                                  "split_rows": None, "inter_size": 64}], "inter_size": 64,  # (every layer's alike)
-                     "cpu_bytes_per_s": engine.split_rate.value, "cpu_call_s": engine.split_rate.fixed_s,
+                     "cpu_bytes_per_s": cpu_bytes_per_s(device.bandwidths, engine.split_rate.value),
+                     "cpu_measured_bytes_per_s": engine.split_rate.value, "cpu_call_s": engine.split_rate.fixed_s,
                      "tier_read_bytes_per_s": engine.tier_read.value,
                      "host_gap_s": 0.0, "slow_steps_left_out": engine.split_gate.left_out, "fixed": False,
                      "share": {"shift": 0, "trials": 0, "measured_ms": {}, "measuring": None},  # (none yet: 12 steps)
                      "rows": None}
     engine.set_decode_path("tier")
     assert engine.copy_state()["decode_path"]["cold_split"] is None
+
+
+def clamped_rates_model(folder) -> LoadedModel:
+    """The model under "both" on the simulated device (40 GB/s of streaming read assumed), its CPU path's and its
+    split's rates measured at 400 GB/s + 2 µs a call, past the stream, and measuring no more (the calls of its own
+    steps would be this machine's)."""
+    from tests.test_offload_misses import line_calls, observed
+
+    model = LoadedModel.open(folder, device=SimulatedDevice(1 << 30), decode_path="both",
+                             offload=OffloadConfig(device_expert_bytes=device_expert_bytes(folder) // 4))
+    for rate in (model.offload.cpu_rate, model.offload.split_rate):
+        observed(rate, line_calls(400e9, 2e-6))
+        rate.observe = rate.observe_many = lambda *calls: None
+    return model
+
+
+def test_the_engine_says_the_cpu_rate_in_force_with_the_measured_one_beside_it(model_folder):
+    """copy_state (records, --json, the placement view) said the CPU rates as measured, where the miss policy and the
+    split's tables price a CPU miss at the rate clamped to the host's streaming read (cpu_bytes_per_s): 400 GB/s said,
+    40 priced. It says the rate in force, and the measured one beside it."""
+    from tests.test_offload_misses import line_calls, observed
+
+    engine = clamped_rates_model(model_folder).offload
+    state = engine.copy_state()
+    for said in (state, state["decode_path"]["cold_split"]):  # the CPU path's rate, the split's
+        assert (said["cpu_bytes_per_s"], said["cpu_measured_bytes_per_s"], said["cpu_call_s"]) == (
+            40e9, pytest.approx(400e9), pytest.approx(2e-6))
+    slow = engine.cpu_rate_state(observed(CpuRate(), line_calls(20e9, 2e-6)))  # below the stream: the rate measured
+    assert slow["cpu_bytes_per_s"] == slow["cpu_measured_bytes_per_s"] == pytest.approx(20e9)
+    assert engine.cpu_rate_state(CpuRate()) == {"cpu_bytes_per_s": None, "cpu_measured_bytes_per_s": None,
+                                                "cpu_call_s": 0.0}
 
 
 def test_the_split_tables_price_a_cpu_miss_as_the_miss_policy_does(model_folder):

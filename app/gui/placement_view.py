@@ -435,7 +435,8 @@ def copies_text(copies: dict, layer_index: list[int] | None = None) -> str:
         parts.append(f"{streaming} streaming slot{'s' if streaming != 1 else ''} for layers without slots")
     rate, call = copies.get("cpu_bytes_per_s"), copies.get("cpu_call_s")
     if rate:
-        parts.append(f"CPU misses priced at {byte_rate(rate, 1)}" + (f" + {call * 1e6:.0f} µs a call" if call else ""))
+        parts.append(f"CPU misses priced at {byte_rate(rate, 1)}" + (f" + {call * 1e6:.0f} µs a call" if call else "")
+                     + clamped_words(copies, 1))
     split = copies.get("layer_split") or {}
     measured = split.get("measured_ms") or {}
     if split.get("measuring"):  # decode speed moves with the split for the trial's few dozen steps
@@ -461,6 +462,15 @@ def byte_rate(bytes_per_s: float, decimals: int) -> str:
         if bytes_per_s >= scale:
             return f"{bytes_per_s / scale:.{decimals}f} {unit}"
     return f"{bytes_per_s / 1e3:.{decimals}f} kB/s"
+
+
+def clamped_words(state: dict, decimals: int) -> str:
+    """' (measured 140.2 GB/s, clamped to the host's streaming read)' where the CPU rate `state` prices misses at
+    (OffloadEngine.cpu_rate_state) is lower than the one measured; else ''."""
+    rate, measured = state.get("cpu_bytes_per_s"), state.get("cpu_measured_bytes_per_s")
+    if not rate or not measured or measured <= rate:
+        return ""
+    return f" (measured {byte_rate(measured, decimals)}, clamped to the host's streaming read)"
 
 
 def threads_text(threads: dict) -> str:
@@ -489,8 +499,8 @@ def _cpu_share(path: dict, layer_index: list[int] | None = None) -> str:
                         for words, layers in shares.items())
     host_s = split.get("host_gap_s") or 0.0
     host = f", after {host_s * 1e6:.0f} µs of host work a layer" if host_s else ""
-    rate = split.get("cpu_bytes_per_s")  # what the CPU's parts measured, the table's CPU side
-    rate_words = f", the CPU's parts at {byte_rate(rate, 0)}" if rate else ""
+    rate = split.get("cpu_bytes_per_s")  # what the CPU's parts measured, as the table's CPU side prices them
+    rate_words = f", the CPU's parts at {byte_rate(rate, 0)}{clamped_words(split, 0)}" if rate else ""
     left_out = split.get("slow_steps_left_out") or 0  # steps slowed by other work, which the rate did not count
     if rate and left_out:
         rate_words += f" ({left_out} slow step{'s' if left_out > 1 else ''} left out)"

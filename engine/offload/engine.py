@@ -438,6 +438,15 @@ class OffloadEngine(DenseLanding):
         path's calls'."""
         return self.split_rate if self.split_rate.value is not None else self.cpu_rate
 
+    def cpu_rate_state(self, rate: CpuRate) -> dict:
+        """What `rate` prices a CPU miss at: {"cpu_bytes_per_s": the rate in force (miss_policy.cpu_bytes_per_s, at
+        most the host's streaming read), "cpu_measured_bytes_per_s": the rate measured (CpuRate.value), both None until
+        measured, "cpu_call_s": a call's fixed seconds (0 until fitted)}."""
+        measured = rate.value
+        in_force = measured if measured is None or self.device is None else cpu_bytes_per_s(self.device.bandwidths,
+                                                                                              measured)
+        return {"cpu_bytes_per_s": in_force, "cpu_measured_bytes_per_s": measured, "cpu_call_s": rate.fixed_s}
+
     def observe_split_part(self, nbytes: int, seconds: float) -> None:
         """A "both" step's CPU part of `nbytes` of experts took `seconds` (not counted in its first steps)."""
         if not self._split_rate_skip:
@@ -534,15 +543,16 @@ class OffloadEngine(DenseLanding):
     def copy_state(self) -> dict:
         """The miss policy's measured state: the slots each layer keeps for copied misses, the later hits a copy
         earns (None until enough copies were made), the decode streaming slots of each layout (streaming.py), and
-        what it prices the CPU's misses at (CpuRate: bytes per second of a miss, None until measured, and seconds
-        per kernel call, 0 until fitted); whether adaptive placement's swaps are paused for earning too few hits
-        (None: another placement); the layer split and the decode path, each with its trials' state (and under
-        "both", the CPU's share of the cold pairs); the CPU kernels' threads (KernelThreads.state)."""
+        what it prices the CPU's misses at (cpu_rate_state: bytes per second of a miss in force and as measured, None
+        until measured, and seconds per kernel call, 0 until fitted); whether adaptive placement's swaps are paused
+        for earning too few hits (None: another placement); the layer split and the decode path, each with its
+        trials' state (and under "both", the CPU's share of the cold pairs); the CPU kernels' threads
+        (KernelThreads.state)."""
         judge = getattr(self.policy, "judge", None)  # adaptive placement's: whether its swaps pay (swap_judge.py)
         return {"miss_slots": list(self.policy.miss_slots), "later_hits_per_copy": self.copy_reuse.value,
                 "placement": None if judge is None else judge.state(), "static_placement": self._static_state(),
                 "streaming_slots": [group.num_slots for group in self.streaming.groups],
-                "cpu_bytes_per_s": self.cpu_rate.value, "cpu_call_s": self.cpu_rate.fixed_s,
+                **self.cpu_rate_state(self.cpu_rate),
                 "layer_split": {"mode": self.layer_split_mode, "whole_layers": self.whole_layers,
                                 **self.split_trials.state()},
                 "decode_path": {"mode": self.decode_path_mode, "in_force": self.decode_path_in_force,
@@ -583,9 +593,9 @@ class OffloadEngine(DenseLanding):
         table: cpu_takes[c] of c cold; every layer's, as distinct tables with their layers: "tables"), the GPU's
         measured rate reading the tier (None until measured), the host's measured work between two such layers
         (HostGap) and the share trials' state with the shift in force; the CPU's rate the table comes from
-        (split_cpu_rate) and the slow steps that rate left out (spike_gate); where a pair may be split by rows and
-        the row trials run (_row_trials_run), their state with whether the split is in force. Under tables fixed
-        (fix_split_tables): "fixed" true, and no share or rows (no trials ran)."""
+        (split_cpu_rate, as cpu_rate_state says it) and the slow steps that rate left out (spike_gate); where a pair
+        may be split by rows and the row trials run (_row_trials_run), their state with whether the split is in force.
+        Under tables fixed (fix_split_tables): "fixed" true, and no share or rows (no trials ran)."""
         if not self.splits_cold:
             return None
         fixed = self.fixed_split_tables is not None
@@ -594,7 +604,7 @@ class OffloadEngine(DenseLanding):
         return {"cpu_takes": None if layer is None else self.cold_split_table(layer).tolist(),
                 "split_rows": None if rows is None else rows.tolist(), "tables": self._layer_tables(),
                 "inter_size": None if layer is None else self.infos[layer].spec.inter_size,
-                "cpu_bytes_per_s": self.split_cpu_rate.value, "cpu_call_s": self.split_cpu_rate.fixed_s,
+                **self.cpu_rate_state(self.split_cpu_rate),
                 "tier_read_bytes_per_s": self.tier_read.value, "host_gap_s": self.host_gap.value,
                 "slow_steps_left_out": self.split_gate.left_out,
                 "fixed": fixed, "share": None if fixed else {"shift": self.share_trials.shift,

@@ -282,6 +282,16 @@ def cpu_bytes_per_s(bandwidths, cpu_rate: float | None) -> float:
     return bandwidths.cpu if cpu_rate is None else min(bandwidths.cpu, cpu_rate)
 
 
+def cpu_rate_words(in_force: float, measured: float, call_s: float, decimals: int = 0) -> str:
+    """'85 GB/s + 129 µs a call': the CPU's rate in force (cpu_bytes_per_s) and a call's fixed cost, with the measured
+    rate beside it where the host's streaming read held it lower: '85 GB/s + 129 µs a call (measured 140, clamped to
+    the stream)'. A report of the measured rate alone said a rate that neither the miss policy nor the split priced."""
+    words = f"{in_force / 1e9:.{decimals}f} GB/s + {call_s * 1e6:.0f} µs a call"
+    if measured > in_force:
+        words += f" (measured {measured / 1e9:.{decimals}f}, clamped to the stream)"
+    return words
+
+
 def miss_costs(bandwidths, expert_bytes: int, tokens, resident_s: float,
                flops_per_token: float = 0.0, prepare_s: float = 0.0, copy_bytes: int | None = None,
                read_bytes: int | None = None, cpu_rate: float | None = None,
