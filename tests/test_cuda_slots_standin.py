@@ -720,14 +720,17 @@ def test_a_host_held_after_a_gated_launch_finds_the_gate_late_and_merges_again(m
 def test_the_cpu_rates_ceiling_comes_from_the_streaming_read_the_device_measured(model_folder, monkeypatch):
     """The engine's CPU rates (the miss policy's and the split's) refuse a line faster than twice the host's streaming
     read as the device measured it (here the stand-in's 40 GB/s): calls on a line of 100 GB/s + 110 µs a call leave
-    them the calls' average."""
+    them the calls' average. A line mostly of fixed cost whose slope reads no faster than the stream stands (tiny
+    experts: 180 µs + 30 GB/s with 32 KiB experts, 99% of a call fixed)."""
     model, _cp = open_on_standin(model_folder, 0.5, monkeypatch)
     engine = model.offload
     assert engine.device.bandwidths.cpu == 40e9
     for rate in (engine.cpu_rate, engine.split_rate):
-        assert rate.ceiling == 80e9
+        assert (rate.ceiling, rate.stream) == (80e9, 40e9)
         observed(rate, line_calls(100e9, 110e-6))
         assert rate.value == rate.average and rate.fixed_s == 0.0
+    tiny = observed(engine._new_cpu_rate(), [(n * 32256, 180e-6 + n * 32256 / 30e9) for n in [1, 2] * 10])
+    assert (tiny.value, tiny.fixed_s) == (pytest.approx(30e9, rel=1e-6), pytest.approx(180e-6, rel=1e-6))
 
 
 def test_a_binding_with_outputs_left_on_the_device_goes_without_a_garbage_collection(model_folder, monkeypatch):

@@ -781,6 +781,20 @@ def test_a_cpu_cost_line_whose_fixed_cost_takes_most_of_a_call_is_refused():
     assert (slower.value, slower.fixed_s) == (pytest.approx(66e9, rel=1e-6), pytest.approx(288e-6, rel=1e-6))
 
 
+def test_a_cpu_cost_line_mostly_of_fixed_cost_is_kept_where_its_slope_reads_no_faster_than_the_stream():
+    # the H200 Xeon's 180 µs + 66 GB/s (98 GB/s streaming) with the fixture models' 32 KiB experts, calls of one and
+    # two: 99% of the mean call is fixed cost. Refused, the average priced a miss at ~0.26 GB/s, a share of a whole
+    # call, where one more miss costs 0.5 µs
+    tiny = [(n * 32256, 180e-6 + n * 32256 / 66e9) for n in [1, 2] * 10]
+    refused = observed(CpuRate(ceiling=196e9), tiny)  # the stream not known: the share bound alone
+    assert refused._line() is None and refused.fixed_s == 0.0 and refused.value == pytest.approx(0.26e9, rel=0.01)
+    kept = observed(CpuRate(ceiling=196e9, stream=98e9), tiny)
+    assert (kept.value, kept.fixed_s) == (pytest.approx(66e9, rel=1e-6), pytest.approx(180e-6, rel=1e-6))
+    # the H100 host's 239 GB/s + 288 µs (87% fixed) reads faster than its ~120 GB/s stream: refused still
+    flat = [(n * FLAT_EXPERT, 288e-6 + n * FLAT_EXPERT / 239e9) for n in [3, 5] * 10]
+    assert observed(CpuRate(ceiling=240e9, stream=120e9), flat)._line() is None
+
+
 def test_a_cpu_cost_line_through_a_slightly_negative_fixed_cost_is_fitted_through_the_origin():
     # calls of one to eight experts at 68 GB/s and no fixed cost, 2 µs less each (noise): the line's fixed cost is
     # -2 µs; taken as 0, the slope through the origin prices a miss within 1% of 68 GB/s, where the calls' average

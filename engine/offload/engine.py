@@ -230,7 +230,7 @@ class OffloadEngine(DenseLanding):
         self.host_gap = HostGap(measured=not is_simulated(device))  # the host's work between "both" layers (ditto)
         # the CPU's parts of "both" steps (a few experts a call, beside the GPU's reads of the tier), for the split's
         # table: a regime of their own, apart from the CPU path's calls of every cold expert
-        self.split_rate = CpuRate(ceiling=self._cpu_rate_ceiling())
+        self.split_rate = self._new_cpu_rate()
         self.split_gate = SpikeGate(self.split_rate)  # ... a step at a time, short slowdowns left out (spike_gate)
         # The last step's CPU parts not yet handed to the split's rate: the gate's end_step waits for the next settle()
         # (the next step's first layer is launched by then), since at a step's end the GPU idles. At Qwen3-30B-A3B-like
@@ -260,7 +260,7 @@ class OffloadEngine(DenseLanding):
         self._follow_path()
         self.streaming = self._plan_streaming(config)
         # the CPU kernels' measured rate on decode misses, for the miss policy
-        self.cpu_rate = CpuRate(ceiling=self._cpu_rate_ceiling())
+        self.cpu_rate = self._new_cpu_rate()
         self.copy_reuse = CopyReuse([info.spec.num_experts for info in self.infos])  # later hits copies earned
         # False: adaptive placement leaves no slot to copied misses (every slot wanted for a resident), from the next
         # weighing on; a benchmark switch (bench_offload_ab's engine.weigh_miss_slots=0), the weighing on by default
@@ -275,13 +275,15 @@ class OffloadEngine(DenseLanding):
         self._apply_cpu_threads()
         self.stats.pinned = self.pinned_info()
 
-    def _cpu_rate_ceiling(self) -> float | None:
-        """The CPU rates' ceiling (CPU_RATE_CEILING) from the host's streaming read the device measured; None on the
-        simulated device, whose bandwidths are assumed while its CPU kernels' calls are this machine's (a test's
-        assumed 1 MB/s would refuse every line), and without a device: no ceiling, the fit's own checks alone."""
+    def _new_cpu_rate(self) -> CpuRate:
+        """A CPU rate held to the host's streaming read the device measured: its ceiling (CPU_RATE_CEILING times it),
+        and the stream a line mostly of fixed cost is kept under (CpuRate.stream). Neither on the simulated device,
+        whose bandwidths are assumed while its CPU kernels' calls are this machine's (a test's assumed 1 MB/s would
+        refuse every line), nor without a device: the fit's own checks alone."""
         if self.device is None or is_simulated(self.device):
-            return None
-        return CPU_RATE_CEILING * self.device.bandwidths.cpu
+            return CpuRate()
+        stream = self.device.bandwidths.cpu
+        return CpuRate(ceiling=CPU_RATE_CEILING * stream, stream=stream)
 
     @property
     def host_tier(self) -> bool:

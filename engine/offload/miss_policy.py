@@ -85,13 +85,19 @@ class CpuRate:
     So is a line whose fixed cost takes more than `max_fixed_share` of the mean call (the weighted calls' mean
     seconds: the sums keep no calls to take a median of), as if the calls' bytes hardly mattered: the H200 Xeon's
     180 µs + 66 GB/s put ~47% of its calls of 1-8 experts in the fixed cost, the noise lines 87% (239 GB/s + 288 µs)
-    and 99% (1301 GB/s + 322 µs) of theirs."""
+    and 99% (1301 GB/s + 322 µs) of theirs. Both noise lines read bytes faster than the host streams them; where
+    `stream` (the host's streaming read, bytes per second; None: not known) is given, a line whose slope reads no
+    faster than it is kept whatever its fixed cost's share: tiny experts make a genuine call almost all fixed cost
+    (that Xeon's line with the fixture models' 16-32 KiB experts: 99%), and their average rate priced each miss at
+    a share of a whole call: the split gave the CPU pairs that made a layer's part up to 1.8x slower, the miss
+    policy chose copies up to 1.4x slower (seventy-second session: that line, copies or tier reads of 16-130 µs)."""
 
     def __init__(self, keep: float = 0.9, fit: bool = True, fit_keep: float = 0.98, min_calls: int = 8,
                  min_spread: float = 0.2, keep_fit: bool = True, ceiling: float | None = None, min_r2: float = 0.5,
-                 max_fixed_share: float = 0.8):
+                 max_fixed_share: float = 0.8, stream: float | None = None):
         self.keep, self.fit, self.fit_keep, self.min_calls, self.min_spread = keep, fit, fit_keep, min_calls, min_spread
         self.keep_fit, self.ceiling, self.min_r2, self.max_fixed_share = keep_fit, ceiling, min_r2, max_fixed_share
+        self.stream = stream
         self.average: float | None = None
         self._sums = [0.0] * 6  # weighted count, Σx, Σy, Σx², Σxy, Σy² (x bytes, y seconds)
         self._calls = 0
@@ -146,7 +152,8 @@ class CpuRate:
         # R² = 1 - the mean squared residual over the variance of the calls' times (of this line, the origin's too)
         residual = (syy - 2 * (fixed * sy + slope * sxy - fixed * slope * sx) + slope * slope * sxx) / w + fixed * fixed
         explained = residual <= (1.0 - self.min_r2) * (syy / w - mean_y * mean_y)
-        sane = fixed <= self.max_fixed_share * mean_y
+        readable = self.stream is not None and slope * self.stream >= 1.0  # a slope no faster than the stream
+        sane = fixed <= self.max_fixed_share * mean_y or readable
         return (fixed, slope) if slope > 0 and sane and not faster and explained else None
 
     def _current(self) -> tuple[float, float] | None:
