@@ -53,8 +53,8 @@ def seconds_figures(seconds: float) -> str:
 
 def duration_text(seconds: float) -> str:
     """A time as the window gives every one (History, a run's detail and a comparison, side by side, the chat): three
-    significant figures in µs under a millisecond and in ms under a second (a small model's layer and answer: "32.0 µs",
-    "2.20 ms", "171 ms"), two decimals from a second on ("12.35 s"); 0 as "0 ms"."""
+    significant figures in µs under a millisecond and in ms under a second (a small model's layer and answer:
+    "32.0 µs", "2.20 ms", "171 ms"), two decimals from a second on ("12.35 s"); 0 as "0 ms"."""
     if seconds <= 0:
         return "0 ms"
     if float(f"{seconds:.3g}") >= 1:  # 0.9996 s reads "1.00 s", not "1000 ms"

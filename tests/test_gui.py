@@ -670,10 +670,9 @@ UNUSABLE_BUDGETS = [
 ]
 
 
-@pytest.mark.parametrize("kept, problem", UNUSABLE_BUDGETS)
-def test_budgets_kept_for_a_model_that_cannot_be_used_are_said_and_kept_aside(qtbot, tmp_path, kept, problem):
-    """A model's kept budgets that could not be read (corrupt JSON, wrong types, entries refused) were silently
-    replaced by the defaults (or crashed the window), and the next load wrote over them: the user never knew."""
+def opened_with_kept_budgets(qtbot, tmp_path, kept: str):
+    """A window whose settings file keeps `kept` as gptoss's budgets, with gptoss opened (not loaded): (the window, the
+    settings file, the model's path, its key there)."""
     ini = str(tmp_path / "settings.ini")
     path = str(fixture_folder("gptoss"))
     key = MainWindow._model_key(path)
@@ -683,6 +682,14 @@ def test_budgets_kept_for_a_model_that_cannot_be_used_are_said_and_kept_aside(qt
     win = make_window(qtbot, tmp_path, nvml=False)
     win.open_model(path)
     qtbot.waitUntil(lambda: win.facts is not None and not win.busy, timeout=WAIT)
+    return win, ini, path, key
+
+
+@pytest.mark.parametrize("kept, problem", UNUSABLE_BUDGETS)
+def test_budgets_kept_for_a_model_that_cannot_be_used_are_said_and_kept_aside(qtbot, tmp_path, kept, problem):
+    """A model's kept budgets that could not be read (corrupt JSON, wrong types, entries refused) were silently
+    replaced by the defaults (or crashed the window), and the next load wrote over them: the user never knew."""
+    win, ini, path, key = opened_with_kept_budgets(qtbot, tmp_path, kept)
     assert win.settings_banner.isVisible() and win.settings_banner.text() == (
         f"{ini}: the budgets kept for {path} cannot be used ({problem}): the Budgets panel shows the defaults; "
         f"what was kept is now under {key}.bad there")
@@ -697,17 +704,11 @@ def test_a_kept_popularity_file_that_is_gone_is_said_as_the_model_opens_with_how
     """Budgets kept with a popularity file moved or deleted since were taken without a word: only the load said it,
     and every load failed on it until the budgets changed. It is now said as the model opens, before any load, naming
     the file and how to clear it; the budgets stay as kept (the file put back mends them)."""
-    ini = str(tmp_path / "settings.ini")
-    path = str(fixture_folder("gptoss"))
-    key = MainWindow._model_key(path)
     gone = tmp_path / "popularity.json"
-    kept = json.dumps({"path": path, "budget": {"entries": {"session.moe.offload.popularity_file": str(gone)}}})
+    kept = json.dumps({"path": str(fixture_folder("gptoss")),
+                       "budget": {"entries": {"session.moe.offload.popularity_file": str(gone)}}})
+    win, ini, path, key = opened_with_kept_budgets(qtbot, tmp_path, kept)
     settings = QSettings(ini, QSettings.Format.IniFormat)
-    settings.setValue(key, kept)
-    settings.sync()
-    win = make_window(qtbot, tmp_path, nvml=False)
-    win.open_model(path)
-    qtbot.waitUntil(lambda: win.facts is not None and not win.busy, timeout=WAIT)
     assert win.settings_banner.isVisible() and win.settings_banner.text() == (
         f"{ini}: the budgets kept for {path} name the popularity file {gone} (no such file): a load fails on it until "
         f"it is back, or cleared with Defaults in the Budgets panel or taken out of what is kept under {key} there")

@@ -48,8 +48,8 @@ def _local_time(created: str | None) -> str:
 
 
 def _cells(row: dict) -> list[str]:
-    return [str(row["id"]), _local_time(row["created"]), row["scenario"] or "",
-            row["label"] or "", Path(row["model"] or "").name, device_text(row), budget_text(row) or "—", _routing(row),
+    return [str(row["id"]), _local_time(row["created"]), row["scenario"] or "", row["label"] or "",
+            Path(row["model"] or "").name, device_text(row), budget_text(row) or "—", _routing(row),
             fmt(row["load_s"], "s"), fmt(row["ttft_s"], "s"), fmt(row["decode_tokens_per_s"], "tok/s"),
             fmt(row["completion_s"], "s"), fmt(row["generated_tokens"], "n"), fmt(row["peak_device_bytes"], "bytes"),
             fmt(row["peak_rss_bytes"], "bytes") + (BOTH_LOADED if row["other_side_loaded"] else "")]
