@@ -170,6 +170,22 @@ def test_open_starts_where_the_last_model_was_opened_after_a_restart(qtbot, tmp_
     assert starts == [str(kept), str(Path.home())]
 
 
+def test_a_folder_that_cannot_be_opened_is_said_with_its_path_once(qtbot, window, tmp_path):
+    """Opening a folder the window cannot open said "Could not open X: X: no such folder (...)", the path twice (the
+    refusal starts with the folder it refuses); a file inside the folder it refuses is still named after the folder."""
+    gone = tmp_path / "gone"
+    window.open_model(str(gone))
+    qtbot.waitUntil(lambda: window.error_banner.isVisible() and not window.busy, timeout=WAIT)
+    assert window.error_banner.text() == (f"Could not open {gone}: no such folder (point at the folder holding "
+                                          "genai_config.json and model.onnx)")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    window.error_banner.hide()
+    window.open_model(str(empty))
+    qtbot.waitUntil(lambda: window.error_banner.isVisible() and not window.busy, timeout=WAIT)
+    assert window.error_banner.text().startswith(f"Could not open {empty}: {empty / 'genai_config.json'}")
+
+
 def test_a_recent_model_whose_folder_is_gone_is_dropped_from_the_list_and_said_once(qtbot, tmp_path):
     """A recent model whose folder had moved stayed in Open recent, and picking it said "Could not open X: X: no such
     folder (point at the folder holding genai_config.json and model.onnx)", the path twice, at every pick. Picked

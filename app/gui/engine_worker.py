@@ -48,6 +48,15 @@ STATS_INTERVAL_S = 0.25
 STREAM_INTERVAL_S = 0.033  # tokens are sent to the window in batches: one queued call per token costs decode speed
 
 
+def open_failure(path: str, exc: Exception) -> str:
+    """'Could not open FOLDER: why', the folder said once: a refusal of the folder itself (ModelFolder's "no such
+    folder", "not readable") starts with its resolved path, and the line read "Could not open X: X: no such folder"."""
+    why = one_line(exc)
+    if why.startswith(f"{Path(path).expanduser().resolve()}:"):
+        return f"Could not open {why}"
+    return f"Could not open {path}: {why}"
+
+
 class LoadCancelled(WorkbenchError):
     """The user stopped a load."""
 
@@ -140,7 +149,7 @@ class EngineWorker(QObject):
         try:
             self.inspected.emit(self._open_folder(path))
         except Exception as exc:
-            self.failed.emit(f"Could not open {path}: {one_line(exc)}")
+            self.failed.emit(open_failure(path, exc))
         finally:
             self.busyChanged.emit("")
 
