@@ -2568,9 +2568,14 @@ def test_a_replan_starts_the_cpu_throughput_watch_again(qtbot, window):
 def test_the_placement_summary_says_no_cpu_rate_measured_under_another_plan_or_model(qtbot, window):
     """The CPU experts' read rate is measured in decode under one plan of one model: after an Apply or a load it is
     gone until decode measures it again (a CPU-only lfm2moe loaded after gpt-oss said 'CPU experts read 3.4 MiB/s
-    in decode', gpt-oss's, before it had decoded a token)."""
+    in decode', gpt-oss's, before it had decoded a token). So is the CPU throughput watch's level: another model's
+    rate is not this one's."""
     placement = window.placement
+    for rate in (9e9,) * 7:  # an earlier model's decode
+        window.watch.add(rate)
+    assert window.watch.baseline == 9e9
     load(qtbot, window, fixture_folder("gptoss"), simulated())
+    assert window.watch.baseline == 0.0  # (fewer measurements than a level needs: none yet of this model's)
     qtbot.waitUntil(lambda: placement.updates > 0, timeout=WAIT)
     measured = lambda: placement.set_stats({**placement.heatmap.data, "cpu_expert_rate": 3.5 * 2**20})  # noqa: E731
     measured()
