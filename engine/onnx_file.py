@@ -254,7 +254,8 @@ class OnnxFile:
                     raise ModelFileError(f"{path}: truncated since the model folder was opened: it has {size} bytes "
                                          f"of the {needs} its initializers take")
                 if stat.st_mtime_ns != self._opened_mtimes[location]:  # other bytes than the folder was opened with
-                    raise ModelFileError(f"{path}: changed since the model folder was opened (written to or replaced)")
+                    raise ModelFileError(f"{path}: changed since the model folder was opened (written to or replaced): "
+                                         "open the model again to load what it holds now")
                 mapping = mmap.mmap(data.fileno(), 0, access=mmap.ACCESS_READ)
             except BaseException:
                 data.close()
