@@ -249,13 +249,19 @@ def test_chat_reads_more_turns_and_reuses_the_cache(cli):
     assert len(turns[1]["prompt_tokens"]) < len(turns[0]["prompt_tokens"]) + len(turns[0]["tokens"]) + 10
 
 
+def gptoss_with_context(copy_fixture, tokens: int):
+    """A copy of the gptoss fixture whose genai_config.json gives the model a context of `tokens`."""
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["context_length"] = tokens
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    return folder
+
+
 def test_a_chat_whose_conversation_fills_the_context_says_to_run_it_again(copy_fixture, cli):
     """The engine's refusal ends "start a new conversation", which the window's New chat does; generate --chat ends
     there with no way to do that inside it, and said so all the same."""
-    folder = copy_fixture("gptoss")
-    config = json.loads((folder / "genai_config.json").read_text())
-    config["model"]["context_length"] = 80
-    (folder / "genai_config.json").write_text(json.dumps(config))
+    folder = gptoss_with_context(copy_fixture, 80)
     result = cli("generate", str(folder), "--chat", "--prompt", "Hello there", "--greedy", "--max-new-tokens", "30",
                  "--json", stdin="Tell me more please now\nagain\n")
     assert [json.loads(line)["finish_reason"] for line in result.stdout.splitlines()] == ["length", "context"]
@@ -560,10 +566,7 @@ def test_contention_on_a_terminal_names_the_phase_that_runs_and_ends_its_line_be
                                    "\rcontention:  60.0%, inference alone      "
                                    "\rcontention:  80.0%, indexing and inference at once"
                                    f"\r{'contention: 100.0%':50}\n")
-    folder = copy_fixture("gptoss")
-    config = json.loads((folder / "genai_config.json").read_text())
-    config["model"]["context_length"] = 80
-    (folder / "genai_config.json").write_text(json.dumps(config))
+    folder = gptoss_with_context(copy_fixture, 80)
     status, _out, err = _main(capsys, "contention", str(folder), "--corpus", str(corpus), "--scenario", "multiturn",
                               "--max-new-tokens", "30")
     assert status == 2 and err.startswith("\rcontention:   0.0%, warming up: inference\nmoe-workbench: error: "
@@ -1069,10 +1072,7 @@ def test_record_all_skips_a_scenario_the_context_cannot_hold_and_runs_the_others
 def test_record_names_the_scenario_whose_prompt_the_context_cannot_hold(copy_fixture, tmp_path, capsys):
     """record's first run refused for a prompt past the model's context said "the prompt has N tokens but the model's
     context is M", naming no scenario (with --scenario all, which of the three?); a later run's failure named it."""
-    folder = copy_fixture("gptoss")
-    config = json.loads((folder / "genai_config.json").read_text())
-    config["model"]["context_length"] = 24
-    (folder / "genai_config.json").write_text(json.dumps(config))
+    folder = gptoss_with_context(copy_fixture, 24)
     for scenario in ("short", "all"):
         status, _out, err = _main(capsys, "record", str(folder), "--scenario", scenario, "--max-new-tokens", "2",
                                   "--history", str(tmp_path / "h.sqlite"))
@@ -1083,10 +1083,7 @@ def test_record_names_the_scenario_whose_prompt_the_context_cannot_hold(copy_fix
 def test_records_multiturn_past_the_context_does_not_say_to_start_a_new_conversation(copy_fixture, tmp_path, capsys):
     """A multiturn run whose answers filled the model's context ended in the chat's refusal, "...: start a new
     conversation", which no record can do; it says what leaves the turns more room instead."""
-    folder = copy_fixture("gptoss")
-    config = json.loads((folder / "genai_config.json").read_text())
-    config["model"]["context_length"] = 80
-    (folder / "genai_config.json").write_text(json.dumps(config))
+    folder = gptoss_with_context(copy_fixture, 80)
     said = (r"multiturn: the conversation so far \(\d+ tokens\) and this message \(\d+\) come to \d+ tokens, past the "
             r"model's context of 80 \(a smaller answer length leaves the scenario's turns more room\)")
     record = ("record", str(folder), "--max-new-tokens", "30", "--history", str(tmp_path / "h.sqlite"))
@@ -1120,10 +1117,7 @@ def test_a_sweeps_multiturn_past_the_context_does_not_say_to_start_a_new_convers
     """As record's (above): a sweep whose multiturn answers filled the model's context failed in the chat's "...:
     start a new conversation", which a sweep cannot do; it says what leaves the turns more room, and that the
     multiturn failed (it named only the point, where the point's short warm-up answer had run)."""
-    folder = copy_fixture("gptoss")
-    config = json.loads((folder / "genai_config.json").read_text())
-    config["model"]["context_length"] = 80
-    (folder / "genai_config.json").write_text(json.dumps(config))
+    folder = gptoss_with_context(copy_fixture, 80)
     status, _out, err = _main(capsys, "sweep", str(folder), "--device", "simulated", "--points", "2", "--repeats", "1",
                               "--scenario", "multiturn", "--max-new-tokens", "30", "--history",
                               str(tmp_path / "h.sqlite"))
@@ -1145,10 +1139,7 @@ def test_contention_multiturn_past_the_context_does_not_say_to_start_a_new_conve
 
     indexed = []
     monkeypatch.setattr(contention, "index_folder", lambda folder, workers: indexed.append(folder) or (2, 0.1))
-    folder = copy_fixture("gptoss")
-    config = json.loads((folder / "genai_config.json").read_text())
-    config["model"]["context_length"] = 80
-    (folder / "genai_config.json").write_text(json.dumps(config))
+    folder = gptoss_with_context(copy_fixture, 80)
     corpus = make_corpus(tmp_path / "corpus", files=2, words_per_file=30)
     status, _out, err = _main(capsys, "contention", str(folder), "--corpus", str(corpus), "--workers", "1",
                               "--scenario", "multiturn", "--max-new-tokens", "30")
@@ -1167,10 +1158,7 @@ def test_contention_names_the_scenario_whose_prompt_the_context_cannot_hold(copy
     from engine.records.contention import make_corpus
 
     monkeypatch.setattr(contention, "index_folder", lambda folder, workers: (2, 0.1))
-    folder = copy_fixture("gptoss")
-    config = json.loads((folder / "genai_config.json").read_text())
-    config["model"]["context_length"] = 24
-    (folder / "genai_config.json").write_text(json.dumps(config))
+    folder = gptoss_with_context(copy_fixture, 24)
     corpus = make_corpus(tmp_path / "corpus", files=2, words_per_file=30)
     status, _out, err = _main(capsys, "contention", str(folder), "--corpus", str(corpus), "--workers", "1",
                               "--max-new-tokens", "2")
