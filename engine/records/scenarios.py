@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+import weakref
 from datetime import datetime, timezone
 
 import psutil
@@ -71,9 +72,21 @@ def scenario_answer_tokens(model: LoadedModel, name: str) -> int:
     return tokens
 
 
+# tokenizer -> _long_prompt's (prompt, tokens): building it renders and encodes the growing prompt ~100 times (~0.2 s
+# on the fixtures), and a record, a sweep's every point and the answer length each ask for it
+_LONG_PROMPTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _long_prompt(tokenizer) -> tuple[str, int]:
     """A report whose chat-rendered prompt is just over LONG_PROMPT_TOKENS tokens, and its tokens: the word that
-    passes the target may take several of the model's tokens."""
+    passes the target may take several of the model's tokens. Made once for each tokenizer."""
+    made = _LONG_PROMPTS.get(tokenizer)
+    if made is None:
+        made = _LONG_PROMPTS[tokenizer] = _make_long_prompt(tokenizer)
+    return made
+
+
+def _make_long_prompt(tokenizer) -> tuple[str, int]:
     def tokens(text: str) -> int:
         return len(tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": text}])))
 
