@@ -59,11 +59,9 @@ def duration_text(seconds: float) -> str:
         return "0 ms"
     if float(f"{seconds:.3g}") >= 1:  # 0.9996 s reads "1.00 s", not "1000 ms"
         return f"{seconds:.2f} s"
-    for scale, unit in ((1e3, "ms"), (1e6, "µs")):
-        value = float(f"{seconds * scale:.3g}")
-        if value >= 1 or unit == "µs":
-            return f"{value:.{max(0, 2 - math.floor(math.log10(value)))}f} {unit}"
-    raise AssertionError("unreachable")
+    scale, unit = (1e3, "ms") if float(f"{seconds * 1e3:.3g}") >= 1 else (1e6, "µs")
+    value = float(f"{seconds * scale:.3g}")
+    return f"{value:.{max(0, 2 - math.floor(math.log10(value)))}f} {unit}"
 
 
 def parse_bytes(text: str) -> int | None:
