@@ -138,3 +138,62 @@ def test_generates_answer_times_call_no_compiled_function_for_the_first_time(tmp
     assert result.stderr.strip().splitlines()[-1] == "none", f"first called in the timed part:\n{result.stderr}"
     timings = json.loads(result.stdout)["timings"]
     assert timings["kernel_warm_up_s"] > 0 and timings["time_to_first_token_s"] > 0
+
+
+class _Model:
+    """What warm_model reads of a loaded model, and no more (a weak reference says when it is gone)."""
+
+    def __init__(self):
+        self.folder = SimpleNamespace(onnx=SimpleNamespace(check_mapped_files=lambda: None))
+        self.decoder = SimpleNamespace(steps=[], warm_host_part_loop=lambda: 0.0)
+        self.offload = None
+
+
+def _compile_keeping_a_cycle(runners) -> None:
+    """A first compile as Numba's makes one: an error its compiler recovered from kept in a reference cycle with its
+    traceback, whose frame links to its callers' (warm_model's, holding the model)."""
+    from numba.core import event as numba_event
+
+    with numba_event.trigger_event("numba:compile", data={"dispatcher": None, "args": (), "return_type": None}):
+        try:
+            raise NotImplementedError("no definition for lowering static_setitem")
+        except NotImplementedError as exc:
+            recovered = exc
+    assert recovered.__traceback__.tb_frame is sys._getframe()  # the cycle: the error, its traceback, this frame
+
+
+def test_a_model_warmed_through_a_first_compile_is_dropped_without_a_garbage_collection(monkeypatch):
+    """A first compile's cycles held warm_model's frame and so the model: in the whole GPU run a dropped model kept its
+    CUDA device until a collection (test_offload_cuda's drop test). warm_model collects them when something compiled."""
+    import gc
+    import weakref
+
+    from engine import kernel_warmup
+
+    monkeypatch.setattr(kernel_warmup, "warm_cpu_kernels", _compile_keeping_a_cycle)
+    gc.collect()
+    gc.disable()
+    try:
+        model = _Model()
+        kernel_warmup.warm_model(model)
+        dropped = weakref.ref(model)
+        del model
+        assert dropped() is None
+    finally:
+        gc.enable()
+
+
+def test_warm_model_collects_only_when_something_compiled(monkeypatch):
+    """The collection costs tens of milliseconds in a large process: paid after a compile only, not at every load."""
+    import gc
+
+    from engine import kernel_warmup
+
+    collections = []
+    monkeypatch.setattr(gc, "collect", lambda *args: collections.append(args) or 0)
+    monkeypatch.setattr(kernel_warmup, "warm_cpu_kernels", lambda runners: None)
+    kernel_warmup.warm_model(_Model())
+    assert collections == []
+    monkeypatch.setattr(kernel_warmup, "warm_cpu_kernels", _compile_keeping_a_cycle)
+    kernel_warmup.warm_model(_Model())
+    assert collections == [()]
