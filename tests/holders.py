@@ -42,6 +42,13 @@ def holders(target, skip=()) -> str:
     """Up to MAX_CHAINS chains "root -> ... -> target's type" found by walking referrers breadth first, MAX_DEPTH deep;
     `skip`: objects the caller holds (its own lists and frame) that are not the reason."""
     ignored = {id(obj) for obj in skip} | {id(sys._getframe())}
+    # a running frame is a root; a finished one lives on only through what holds it (a traceback kept in a cycle, a
+    # younger frame's f_back), which the chain goes on to say
+    running = set()
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            running.add(id(frame))
+            frame = frame.f_back
     seen = {id(target)}
     level = [(target, [])]
     chains = []
@@ -55,11 +62,16 @@ def holders(target, skip=()) -> str:
                     continue
                 seen.add(id(holder))
                 step = path + [f"{_name(holder)}{_key(holder, obj)}"]
-                if isinstance(holder, (types.ModuleType, types.FrameType)) or not gc.get_referrers(holder):
+                if isinstance(holder, types.ModuleType) or id(holder) in running or not gc.get_referrers(holder):
                     chains.append(" -> ".join(reversed(step)) + f" -> {_name(target)}")
                     if len(chains) == MAX_CHAINS:
                         return "; ".join(chains)
                 else:
                     next_level.append((holder, step))
+        if not next_level:
+            break
         level = next_level
-    return "; ".join(chains) or f"no root found within {MAX_DEPTH} references (a cycle the collector would free?)"
+    # no root: the target is held in a cycle a collection would free; one path into it, from its far end
+    deepest = " -> ".join(reversed(level[0][1])) + " -> " if level and level[0][1] else ""
+    return "; ".join(chains) or f"no root found within {MAX_DEPTH} references (a cycle the collector would free?): " \
+                                f"{deepest}{_name(target)}"
