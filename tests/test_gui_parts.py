@@ -2629,6 +2629,58 @@ def test_no_expert_number_in_the_heatmaps_header_runs_past_the_grid_into_the_hit
     assert all(x + metrics.horizontalAdvance(number) <= heatmap.LEFT + cells * cw for x, number in labels)
 
 
+def thin_rowed_heatmap(monkeypatch, drawn: list):
+    """A Heatmap of qwen3_30b_like_stats, 3 pixels a row, layer r hitting r% of 100 routed tokens, painted once with
+    every drawText(rect, flags, text) and drawLine(from, to) in `drawn`, as (what, args)."""
+    from PySide6.QtGui import QPainter
+
+    from app.gui import placement_view
+    from app.gui.placement_view import Heatmap
+
+    class Recording(QPainter):
+        def drawText(self, *args):
+            drawn.append(("text", args))
+            super().drawText(*args)
+
+        def drawLine(self, *args):
+            drawn.append(("line", args))
+            super().drawLine(*args)
+
+    monkeypatch.setattr(placement_view, "QPainter", Recording)
+    heatmap = Heatmap()
+    heatmap.resize(600, Heatmap.TOP + 48 * Heatmap.MIN_CELL + 2)
+    stats = qwen3_30b_like_stats()
+    for r, layer in enumerate(stats["layers"]):
+        layer.update(hits=r, misses=100 - r)
+    heatmap.set_data(stats)
+    heatmap.grab()
+    return heatmap
+
+
+def test_a_thin_rows_label_and_hit_rate_sit_on_their_own_row_with_a_tick(qapp, monkeypatch):
+    """With rows thinner than a label, every few rows are labelled, each label centred in a 12-pixel box from its row's
+    top: at 3 pixels a row, layer 0's number and hit rate sat on layer 2's row, layer 4's on layer 6's, and so on, read
+    as the wrong layer's. Each is centred on its own row, and a tick beside the grid points at that row."""
+    drawn: list = []
+    heatmap = thin_rowed_heatmap(monkeypatch, drawn)
+    rows, cells, cw, ch = heatmap._grid()
+    assert (rows, ch) == (48, 3)
+    right = heatmap.LEFT + cells * cw
+
+    def row_at(y: float) -> int:
+        return int((y - heatmap.TOP) // ch)
+
+    texts = [args for what, args in drawn if what == "text"]
+    numbers = [(row_at(rect.center().y()), text) for rect, _, text in texts
+               if rect.right() <= heatmap.LEFT and text.isdigit()]
+    rates = [(row_at(rect.center().y()), text) for rect, _, text in texts if rect.left() > right and text.endswith("%")]
+    assert numbers == [(r, str(r)) for r in range(0, 48, 4)]  # every 4th layer's number, on its row
+    assert rates == [(r, f"{r}%") for r in range(0, 48, 4)]   # and its hit rate
+    lines = [args for what, args in drawn if what == "line"]
+    ticks = [(start.x() < heatmap.LEFT, row_at(start.y())) for start, end in lines if start.y() == end.y()]
+    assert ticks == [(side, r) for r in range(0, 48, 4) for side in (True, False)]
+
+
 def test_traffics_colours_say_where_an_expert_is_now_not_that_its_routing_hit(qapp):
     """Traffic's legend read '■ hits ■ misses' and its button 'blue = hits on resident experts', but a cell's colour
     is where its expert is now and its strength the routing counted before: an expert placement had just copied in

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from PySide6.QtCore import QRectF, QSize, Qt, Signal
+from PySide6.QtCore import QPointF, QRectF, QSize, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QFontMetricsF, QImage, QPainter
 from PySide6.QtWidgets import (QButtonGroup, QFrame, QHBoxLayout, QLabel, QRadioButton, QScrollArea, QSizePolicy,
                                QToolTip, QVBoxLayout, QWidget)
@@ -196,15 +196,25 @@ class Heatmap(QWidget):
         painter.setPen(QColor(t.muted))
         every = max(1, int(math.ceil(12 / ch)))  # a label every few rows when rows are thin
         layers = self.data["layers"]
+        right = self.LEFT + cols * cw
+        box = max(ch, 12)
         for r in range(0, rows, every):
-            y = self.TOP + r * ch
-            painter.drawText(QRectF(0, y, self.LEFT - 4, max(ch, 12)), Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter,
+            # centred on its own row (a 12-pixel box from the row's top centred it two 3-pixel rows down), with a tick
+            # at the row where the label spans several
+            middle = self.TOP + r * ch + ch / 2
+            painter.drawText(QRectF(0, middle - box / 2, self.LEFT - 4, box),
+                             Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter,
                              str(self.data["layer_index"][r]))
+            if every > 1:
+                painter.drawLine(QPointF(self.LEFT - 3, middle), QPointF(self.LEFT - 1, middle))
             stats = layers[r] if r < len(layers) else {}
             total = stats.get("hits", 0) + stats.get("misses", 0)
             if total and not self.data.get("cpu_only"):
-                painter.drawText(QRectF(self.LEFT + cols * cw + 4, y, self.RIGHT - 4, max(ch, 12)),
-                                 Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter, f"{stats['hits'] / total:.0%}")
+                painter.drawText(QRectF(right + 4, middle - box / 2, self.RIGHT - 4, box),
+                                 Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter,
+                                 f"{stats['hits'] / total:.0%}")
+                if every > 1:
+                    painter.drawLine(QPointF(right + 1, middle), QPointF(right + 3, middle))
         painter.drawText(QRectF(0, 0, self.LEFT - 4, self.TOP), Qt.AlignmentFlag.AlignRight, "layer")
         for x, number in self.column_labels(QFontMetricsF(font)):
             painter.drawText(QRectF(x, 0, self.LEFT + cols * cw - x, self.TOP), Qt.AlignmentFlag.AlignLeft, number)
