@@ -2681,6 +2681,47 @@ def test_a_thin_rows_label_and_hit_rate_sit_on_their_own_row_with_a_tick(qapp, m
     assert ticks == [(side, r) for r in range(0, 48, 4) for side in (True, False)]
 
 
+def test_every_row_beside_the_grid_has_a_tooltip_with_its_layer_and_hit_rate(qtbot):
+    """Thin rows' numbers and hit rates are drawn every few rows, and the mouse beside the grid got no tooltip: the
+    layer and hit rate of a row without a label could not be read anywhere but in its cells' tooltips. The mouse on
+    either side of any row now shows its layer and hit rate, and its node."""
+    from PySide6.QtCore import QEvent, QPointF, Qt
+    from PySide6.QtGui import QMouseEvent
+    from PySide6.QtWidgets import QToolTip
+
+    from app.gui.placement_view import Heatmap
+
+    heatmap = Heatmap()
+    qtbot.addWidget(heatmap)
+    heatmap.resize(600, Heatmap.TOP + 48 * Heatmap.MIN_CELL + 2)
+    stats = qwen3_30b_like_stats()
+    for r, layer in enumerate(stats["layers"]):
+        layer.update(hits=r, misses=100 - r)
+    stats["layers"][3].update(hits=0, misses=0)
+    heatmap.set_data(stats)
+    heatmap.show()
+    qtbot.waitExposed(heatmap)
+    rows, cells, cw, ch = heatmap._grid()
+    assert (rows, ch) == (48, 3)
+
+    def tooltip(x: float, row: int) -> str:
+        where = QPointF(x, heatmap.TOP + row * ch + ch / 2)
+        heatmap.mouseMoveEvent(QMouseEvent(QEvent.Type.MouseMove, where, heatmap.mapToGlobal(where),
+                                           Qt.MouseButton.NoButton, Qt.MouseButton.NoButton,
+                                           Qt.KeyboardModifier.NoModifier))
+        return QToolTip.text()
+
+    numbers, rates = heatmap.LEFT / 2, heatmap.LEFT + cells * cw + heatmap.RIGHT / 2
+    for x, row in ((numbers, 1), (rates, 2), (numbers, 47), (rates, 45)):  # rows drawn without a label
+        assert tooltip(x, row) == (f"Layer {row}: {row} hits, {100 - row} misses ({row}% hit rate), 0 slots filled, "
+                                   f"0 swaps\n/model/layers.{row}/moe/QMoE")
+    assert tooltip(numbers, 3) == "Layer 3: no hits or misses yet\n/model/layers.3/moe/QMoE"
+    assert tooltip(heatmap.LEFT + 1, 2).startswith("Layer 2, expert 0: ")  # a cell's own, as before
+    heatmap.set_data(dict(stats, cpu_only=True))  # no hit rates without a device
+    assert tooltip(numbers, 1) == "Layer 1: every expert on the CPU\n/model/layers.1/moe/QMoE"
+    QToolTip.hideText()
+
+
 def test_traffics_colours_say_where_an_expert_is_now_not_that_its_routing_hit(qapp):
     """Traffic's legend read '■ hits ■ misses' and its button 'blue = hits on resident experts', but a cell's colour
     is where its expert is now and its strength the routing counted before: an expert placement had just copied in

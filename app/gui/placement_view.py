@@ -1,8 +1,9 @@
 """The placement view: a layers × experts heatmap of the loaded model, updated live while it
 generates. Residency shows which experts sit on the device (and which cold ones are missed now);
 traffic shows how much routing each expert gets, blue where it is on the device now (routing to it
-hits), red where it is cold (routing to it misses). A tooltip names every cell. The summary line
-says where the misses ran (on the CPU, copied into a spare device slot, or, with a host tier, read by
+hits), red where it is cold (routing to it misses). A tooltip names every cell, and beside the grid
+every row's layer and hit rate (thin rows' labels are drawn every few rows). The summary line says
+where the misses ran (on the CPU, copied into a spare device slot, or, with a host tier, read by
 the GPU from host memory), in total and in the last step, and how full the pinned staging ring got."""
 
 from __future__ import annotations
@@ -244,7 +245,6 @@ class Heatmap(QWidget):
         one = first == last
         experts = list(range(first, last + 1))
         stats = d["layers"][row] if row < len(d["layers"]) else {}
-        total = stats.get("hits", 0) + stats.get("misses", 0)
         named = f"Layer {d['layer_index'][row]}, " + (f"expert {first}" if one else f"experts {first}-{last}")
         scores = d["traffic"][row, first:last + 1]
         most = "" if one else f", most in the cell, expert {first + int(scores.argmax())}"
@@ -274,10 +274,9 @@ class Heatmap(QWidget):
         if counted_exactly:
             lines.append(f"{counts}: {counted(hits, 'hit')}, {counted(misses, 'miss', 'misses')} "
                          "(routed tokens, counted exactly)")
-        if total:
-            lines.append(f"Layer {d['layer_index'][row]}: {stats['hits']} hits, {stats['misses']} misses "
-                         f"({stats['hits'] / total:.0%} hit rate), "
-                         + placements_text(stats.get("fills", 0), stats.get("swaps", 0)))
+        hit_rate = hit_rate_text(d, row)
+        if hit_rate:
+            lines.append(hit_rate)
         if stats.get("misses"):
             lines.append(f"Layer {d['layer_index'][row]} misses: {split_text(stats)}")
         if stats.get("routed_on_device"):
@@ -291,6 +290,24 @@ class Heatmap(QWidget):
         lines.append(d["layer_names"][row])
         return "\n".join(lines)
 
+    def row_at(self, y: float) -> int | None:
+        """The row at height `y`, beside the grid as well as on it; None above or below the rows."""
+        if not self.data or not self.data["resident"].size or y < self.TOP:
+            return None
+        rows, _, _, ch = self._grid()
+        row = int((y - self.TOP) // ch)
+        return row if row < rows else None
+
+    def row_tooltip(self, row: int) -> str:
+        """What a row says off its cells, for every row (thin rows' numbers and hit rates are drawn every few rows):
+        its layer and hit rate, then its node."""
+        d = self.data
+        if d.get("cpu_only"):
+            said = f"Layer {d['layer_index'][row]}: every expert on the CPU"
+        else:
+            said = hit_rate_text(d, row) or f"Layer {d['layer_index'][row]}: no hits or misses yet"
+        return "\n".join([said, d["layer_names"][row]])
+
     def mouseMoveEvent(self, event) -> None:
         self._show_tooltip(event.position(), event.globalPosition().toPoint())
 
@@ -300,11 +317,24 @@ class Heatmap(QWidget):
 
     def _show_tooltip(self, position, on_screen) -> None:
         cell = self.cell_at(position.x(), position.y())
-        self._hover = (position, on_screen) if cell is not None else None
-        if cell is None:
+        row = self.row_at(position.y()) if cell is None else None
+        text = self.tooltip_at(*cell) if cell is not None else self.row_tooltip(row) if row is not None else ""
+        self._hover = (position, on_screen) if text else None
+        if not text:
             QToolTip.hideText()
             return
-        QToolTip.showText(on_screen, self.tooltip_at(*cell), self)
+        QToolTip.showText(on_screen, text, self)
+
+
+def hit_rate_text(data: dict, row: int) -> str:
+    """'Layer 5: 30 hits, 10 misses (75% hit rate), 16 slots filled, 0 swaps': the grid's `row`'s counts since load;
+    '' before it has any."""
+    stats = data["layers"][row] if row < len(data["layers"]) else {}
+    total = stats.get("hits", 0) + stats.get("misses", 0)
+    if not total:
+        return ""
+    return (f"Layer {data['layer_index'][row]}: {stats['hits']} hits, {stats['misses']} misses "
+            f"({stats['hits'] / total:.0%} hit rate), " + placements_text(stats.get("fills", 0), stats.get("swaps", 0)))
 
 
 def split_table(data: dict, row: int) -> dict | None:
