@@ -2722,6 +2722,56 @@ def test_every_row_beside_the_grid_has_a_tooltip_with_its_layer_and_hit_rate(qtb
     QToolTip.hideText()
 
 
+def test_the_placement_legend_wraps_under_the_mode_buttons_in_a_narrow_dock_and_nothing_overlaps(qtbot):
+    """The legend sat beside the mode buttons on one line that never wrapped, so it set the view's minimum width (in
+    Residency ~380 pixels, in Traffic ~600): no dock could be made narrower. It wraps now, beside the buttons where its
+    line fits there and on a row of its own under them where it does not: a 250-pixel dock holds the view, with no
+    part over another or cut off."""
+    from PySide6.QtWidgets import QVBoxLayout, QWidget
+
+    from app.gui.placement_view import PlacementView
+
+    dock = QWidget()
+    qtbot.addWidget(dock)
+    view = PlacementView()
+    box = QVBoxLayout(dock)
+    box.setContentsMargins(0, 0, 0, 0)
+    box.addWidget(view)
+    dock.resize(250, 500)
+    dock.show()
+    qtbot.waitExposed(dock)
+    view.set_stats(qwen3_30b_like_stats())
+    legend, buttons = view.legend, view.residency
+
+    def laid_out(width: int, beside: bool) -> None:
+        """The view `width` pixels wide, the legend beside the buttons or under them, every label as tall as its text,
+        and every part in the view, none over another."""
+        labels = (legend, view.summary, view.cells)
+        assert view.minimumSizeHint().width() <= width
+        dock.resize(width, 500)
+        qtbot.waitUntil(lambda: view.width() == width and (legend.y() < buttons.geometry().bottom()) == beside
+                        and all(label.height() >= label.heightForWidth(label.width()) for label in labels
+                                if label.isVisibleTo(view)))
+        parts = [view.residency, view.traffic, legend, view.summary, view.cells, view.scroll_area]
+        shown = [part.geometry() for part in parts if part.isVisibleTo(view)]
+        assert all(view.rect().contains(rect) for rect in shown)
+        assert not [(a, b) for a, b in itertools.combinations(shown, 2) if a.intersects(b)]
+        heatmap = view.heatmap
+        _, cells, cw, _ = heatmap._grid()
+        assert heatmap.LEFT + cells * cw + heatmap.RIGHT <= heatmap.width() <= view.scroll_area.width()
+
+    laid_out(250, beside=False)
+    one_line = legend.height()
+    view.traffic.setChecked(True)  # Traffic's longer legend: two lines
+    laid_out(250, beside=False)
+    assert legend.height() > one_line
+    laid_out(900, beside=True)     # wide: beside the buttons, on one line, as before
+    assert legend.height() <= buttons.height() and legend.heightForWidth(legend.width()) == one_line
+    laid_out(500, beside=False)    # Traffic's line does not fit beside the buttons in 500 pixels, Residency's does
+    view.residency.setChecked(True)
+    laid_out(500, beside=True)
+
+
 def test_traffics_colours_say_where_an_expert_is_now_not_that_its_routing_hit(qapp):
     """Traffic's legend read '■ hits ■ misses' and its button 'blue = hits on resident experts', but a cell's colour
     is where its expert is now and its strength the routing counted before: an expert placement had just copied in

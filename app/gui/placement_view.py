@@ -13,9 +13,9 @@ import math
 import numpy as np
 
 from PySide6.QtCore import QPointF, QRectF, QSize, Qt, Signal
-from PySide6.QtGui import QColor, QFont, QFontMetricsF, QImage, QPainter
-from PySide6.QtWidgets import (QButtonGroup, QFrame, QHBoxLayout, QLabel, QRadioButton, QScrollArea, QSizePolicy,
-                               QToolTip, QVBoxLayout, QWidget)
+from PySide6.QtGui import QColor, QFont, QFontMetricsF, QImage, QPainter, QTextDocument
+from PySide6.QtWidgets import (QBoxLayout, QButtonGroup, QFrame, QHBoxLayout, QLabel, QRadioButton, QScrollArea,
+                               QSizePolicy, QToolTip, QVBoxLayout, QWidget)
 
 from app.gui import theme
 from app.gui.estimate import slots_split
@@ -588,6 +588,7 @@ class PlacementView(QWidget):
         self.summary = QLabel("No model loaded.")
         self.summary.setWordWrap(True)
         self.legend = QLabel()
+        self.legend.setWordWrap(True)  # (unwrapped, its line held the view ~380 pixels wide or more, in Traffic ~600)
         self.cells = QLabel()  # what the grid does where it is too narrow or too short (hidden otherwise)
         self.cells.setWordWrap(True)
         self.cells.setToolTip(f"Too narrow for a cell {Heatmap.MIN_CELL} pixels wide or more for every expert: a cell "
@@ -611,14 +612,16 @@ class PlacementView(QWidget):
                                "misses too); 'swaps' the residents it replaced because routing moved. "
                                "The pinned staging ring is the page-locked host memory every copy goes through "
                                "(pinned_bytes); its high-water mark is the most it held at once.")
-        top = QHBoxLayout()
-        top.addWidget(self.residency)
-        top.addWidget(self.traffic)
-        top.addStretch(1)
-        top.addWidget(self.legend)
+        self.buttons = QHBoxLayout()
+        self.buttons.addWidget(self.residency)
+        self.buttons.addWidget(self.traffic)
+        self.buttons.addStretch(1)
+        self.top = QBoxLayout(QBoxLayout.Direction.LeftToRight)  # the legend beside the buttons, or under them
+        self.top.addLayout(self.buttons)
+        self.top.addWidget(self.legend, 1)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
-        layout.addLayout(top)
+        layout.addLayout(self.top)
         layout.addWidget(self.summary)  # a row of its own: in a narrow window it wraps over the whole width
         layout.addWidget(self.cells)
         layout.addWidget(self.scroll_area, 1)
@@ -628,6 +631,24 @@ class PlacementView(QWidget):
         self.last_step: tuple[int, int, int] | None = None   # the last decoder step: misses on the CPU, copied, read
         self.pinned: dict = {}          # the pinned staging ring (OffloadEngine.pinned_info())
         self.apply_theme(theme.current())
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._place_legend()
+
+    def _place_legend(self) -> None:
+        """The legend beside the mode buttons where its line fits there, else on a row under them, wrapping over the
+        view's width (beside them, a narrow dock would wrap it into a column of a word or two a line)."""
+        margins = self.layout().contentsMargins()
+        room = self.width() - margins.left() - margins.right() - self.buttons.sizeHint().width() - self.top.spacing()
+        line = QTextDocument()
+        line.setDocumentMargin(0)
+        line.setDefaultFont(self.legend.font())
+        line.setHtml(self.legend.text())
+        beside = math.ceil(line.idealWidth()) <= room
+        self.top.setDirection(QBoxLayout.Direction.LeftToRight if beside else QBoxLayout.Direction.TopToBottom)
+        self.legend.setAlignment((Qt.AlignmentFlag.AlignRight if beside else Qt.AlignmentFlag.AlignLeft)
+                                 | Qt.AlignmentFlag.AlignVCenter)
 
     def apply_theme(self, t: theme.Theme) -> None:
         self._show_legend(t)
@@ -641,6 +662,7 @@ class PlacementView(QWidget):
         data = self.heatmap.data or {}
         self.legend.setText(legend_text(t, self.heatmap.mode, bool(data.get("cpu_only")),
                                         bool(sum(data.get("left_to_copies") or []))))
+        self._place_legend()
         self._show_cells()
 
     def _show_cells(self) -> None:
