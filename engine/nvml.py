@@ -162,7 +162,9 @@ class Nvml:
         for proc, computes in self._processes():
             used = getattr(proc, "usedGpuMemory", None)
             if used is None:
-                known = False  # the driver (or a container) hides per-process memory
+                # the driver (or a container) hides its memory: the split is unknown only where a process that
+                # computes is hidden, as one that only draws (the display server) is left out below whatever it holds
+                known = known and not computes
                 continue
             if proc.pid == me:
                 this += int(used)

@@ -2425,7 +2425,7 @@ def test_the_contention_banner_states_when_it_warns(qtbot, window):
         "a core), a virtual machine's host gives other guests at least 10% of its CPU time, less than 10% of host "
         "memory is available, other processes hold at least 10% of the memory of the GPU the model runs on (as NVML "
         "counts each process's: the driver's own reservations are none's, processes that only draw the screen are "
-        "left out, and where the driver does not say whose memory is whose this is not said), or the CPU experts' "
+        "left out, and memory the driver does not say whose is not counted), or the CPU experts' "
         "throughput falls below 50% of its usual rate (the upper quartile of its last 10 minutes in decode since the "
         "load or the last Apply). Each is said once 2 of 3 samples in a row show it, and goes after 3 calm samples in "
         "a row; ✕ keeps it down until then.")

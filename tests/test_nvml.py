@@ -129,6 +129,44 @@ def test_the_display_server_drawing_the_window_is_not_another_process_competing_
     assert both["listed"] == 1 << 30 and [p["pid"] for p in both["top"]] == [os.getppid()]
 
 
+class Hides(WithDisplay):
+    """WithDisplay whose NVML gives no memory (None) for the processes in `hidden`, as drivers do for some."""
+
+    def __init__(self, processes, drawing, hidden):
+        super().__init__(processes, drawing)
+        self.hidden = hidden
+
+    def _listed(self, processes):
+        return [SimpleNamespace(pid=pid, usedGpuMemory=None if pid in self.hidden else used) for pid, used in processes]
+
+    def nvmlDeviceGetComputeRunningProcesses_v3(self, handle):
+        return self._listed(self.computing)
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle):
+        return self._listed(self.drawing)
+
+
+def test_a_display_process_whose_memory_nvml_hides_leaves_the_vram_warning_on(monkeypatch):
+    """A driver that hides the display server's memory made the whole sample's split unknown (per_process off): the
+    warning went unsaid beside another process holding 1 GiB of an 8 GiB card, and the graphs said they did not know
+    this process's. What only draws is left out anyway; the warning judges what NVML lists, and where a process that
+    computes is hidden it says what is known as at least that much."""
+    from tests.test_gui_parts import warned
+
+    calm = {"cpu_per_core": [10.0] * 8, "others_cpu_cores": 0.0, "ram_total": 100, "ram_available": 50}
+    me, other = os.getpid(), os.getppid()
+    monkeypatch.setattr(nvml, "pynvml", Hides([(me, 5 << 30), (other, 1 << 30)], [(1, 900 << 20)], hidden={1}))
+    sample = nvml.Nvml().sample()
+    assert sample["per_process"] and sample["this"] == 5 << 30 and sample["listed"] == 1 << 30
+    assert [text.split(":")[0] for text in warned(dict(calm, gpu=sample))] == [
+        "Other processes hold 1.0 GiB of the GPU's 8.0 GiB"]
+    monkeypatch.setattr(nvml, "pynvml", Hides([(me, 5 << 30), (other, 1 << 30), (1, 900 << 20)], [], hidden={1}))
+    computing = nvml.Nvml().sample()
+    assert not computing["per_process"] and computing["listed"] == 1 << 30
+    assert [text.split(":")[0] for text in warned(dict(calm, gpu=computing))] == [
+        "Other processes hold at least 1.0 GiB of the GPU's 8.0 GiB"]
+
+
 def test_no_nvidia_gpu_says_why(monkeypatch):
     class Missing(FakeNvml):
         def nvmlInit(self):

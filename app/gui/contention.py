@@ -34,9 +34,9 @@ THRESHOLDS = (f"Said while the model generates, where other processes use at lea
               f"{CPU_STEAL_SHARE:.0%} of its CPU time, less than {HOST_AVAILABLE_SHARE:.0%} of host memory is "
               f"available, other processes hold at least {VRAM_OTHERS_SHARE:.0%} of the memory of the GPU the model "
               f"runs on (as NVML counts each process's: the driver's own reservations are none's, processes that only "
-              f"draw the screen are left out, and where the driver does not say whose memory is whose this is not "
-              f"said), or the CPU experts' throughput falls below {THROUGHPUT_DROP:.0%} of its usual rate (the upper "
-              f"quartile of its last 10 minutes in decode since the load or the last Apply). "
+              f"draw the screen are left out, and memory the driver does not say whose is not counted), or the CPU "
+              f"experts' throughput falls below {THROUGHPUT_DROP:.0%} of its usual rate (the upper quartile of its "
+              f"last 10 minutes in decode since the load or the last Apply). "
               f"Each is said once {RAISE_SAMPLES} of {RAISE_WITHIN} samples in a row show it, and goes after "
               f"{CALM_SAMPLES} calm samples in a row; ✕ keeps it down until then.")
 
@@ -100,13 +100,13 @@ def sample_warnings(sample: dict, on_gpu: bool = True) -> dict[str, str]:
     gpu = sample.get("gpu")
     # the memory NVML lists under other processes that compute (engine/nvml.py), not all in use less ours: the
     # driver's own reservations are no process's, and no one can pause them. Nor the card's use at start-up as a
-    # baseline: a competitor already there would be in it, unsaid. Where NVML cannot say which process holds what (a
-    # driver that hides it, a container's pid namespace) nothing is said: all in use less the engine's own count would
-    # blame its KV cache and workspace
-    if (on_gpu and gpu and gpu.get("per_process", True) and gpu.get("total")
-            and gpu.get("listed", 0) >= VRAM_OTHERS_SHARE * gpu["total"]):
+    # baseline: a competitor already there would be in it, unsaid. Where NVML hides some processes' memory, what it
+    # lists is judged, as at least that much; never all in use less the engine's own count, which would blame its KV
+    # cache and workspace (in a container's pid namespace, where whose is whose is not known, it lists none)
+    if on_gpu and gpu and gpu.get("total") and gpu.get("listed", 0) >= VRAM_OTHERS_SHARE * gpu["total"]:
         top = gpu.get("top", [])
-        warnings["vram"] = (f"Other processes hold {human_bytes(gpu['listed'])} of the GPU's "
+        hold = "hold" if gpu.get("per_process", True) else "hold at least"
+        warnings["vram"] = (f"Other processes {hold} {human_bytes(gpu['listed'])} of the GPU's "
                             f"{human_bytes(gpu['total'])}" + ((": " + _names(top, _vram)) if top else "")
                             + ". Memory they free leaves room for more resident experts (device_expert_bytes).")
     return warnings
