@@ -607,6 +607,24 @@ def test_a_throughput_drop_while_other_processes_take_the_cores_is_not_blamed_on
             "take its CPUs' time.")
 
 
+def test_the_throughput_level_is_computed_once_a_sample(monkeypatch):
+    """warning(), asked on every telemetry sample, read the level (the upper quartile of up to 2,400 readings) up to
+    four times: two to judge the drop and two more to say it. It is computed once."""
+    import statistics
+
+    quantiles, calls = statistics.quantiles, []
+    monkeypatch.setattr(statistics, "quantiles", lambda *args, **kwargs: calls.append(1) or quantiles(*args, **kwargs))
+    watch = ThroughputWatch()
+    for rate in (1,) + (10,) * 2395 + (4,) * 5:
+        watch.add(rate * 1e9)
+    assert len(watch.readings) == 2400
+    assert watch.warning().startswith("CPU expert throughput fell to 4.00 GB/s from its usual 10.00 GB/s (40%)")
+    assert len(calls) == 1
+    for _ in range(3):  # the rate back: the next sample's judgement, calm, computes it once more
+        watch.add(10e9)
+    assert watch.warning() == "" and len(calls) == 2
+
+
 def test_the_host_memory_warning_blames_this_process_when_it_holds_most():
     """Experts copied into RAM (allow_file_backing=0) fill host memory: the model's own, not the other processes' that
     happen to be largest, so the warning says what this process holds and what leaves room."""

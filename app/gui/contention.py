@@ -215,9 +215,11 @@ class ThroughputWatch:
     def warning(self, cpu_taken: bool = False) -> str:
         """The drop, said where it is clear; with `cpu_taken` (contention.cpu_taken) the kernels' threads lose CPU
         time, which slows them as much (their rate is of wall time), so memory bandwidth is not what it names."""
-        if not self.baseline or not self.current or self.current >= THROUGHPUT_DROP * self.baseline:
+        # each read once: the level is a quantile of up to `window` readings, asked on every telemetry sample
+        baseline, current = self.baseline, self.current
+        if not baseline or not current or current >= THROUGHPUT_DROP * baseline:
             return ""
         cause = (" as other processes or guests take its CPUs' time" if cpu_taken
                  else ": something competes for memory bandwidth")
-        return (f"CPU expert throughput fell to {self.current / 1e9:.2f} GB/s from its usual "
-                f"{self.baseline / 1e9:.2f} GB/s ({self.current / self.baseline:.0%}){cause}.")
+        return (f"CPU expert throughput fell to {current / 1e9:.2f} GB/s from its usual "
+                f"{baseline / 1e9:.2f} GB/s ({current / baseline:.0%}){cause}.")
