@@ -1067,6 +1067,25 @@ def test_where_the_driver_hides_whose_vram_is_whose_this_process_is_not_said_to_
     assert "free 50.0 of 80.0 GiB" in header
 
 
+def test_the_vram_graph_says_the_drivers_own_memory_apart_from_other_processes(qtbot, monkeypatch):
+    """'others 1.00' on a card where another process held 256 MiB and the driver its own 768 MiB (no process's, there
+    with nothing running): the header said other processes held four times what they did."""
+    import engine.nvml as nvml
+    from app.gui.graphs_panel import GraphsPanel
+    from tests.test_nvml import DriverReserves
+
+    monkeypatch.setattr(nvml, "pynvml", DriverReserves([(os.getpid(), 5 << 30), (os.getppid(), 256 << 20)], 768 << 20))
+    graphs = GraphsPanel()
+    qtbot.addWidget(graphs)
+    graphs.show()
+    graphs.add_sample({"t": 1.0, "wall": 0.0, "cpu_per_core": [50.0], "cpu_total": 50.0, "others_cpu_cores": 0.0,
+                       "ram_total": 16 << 30, "ram_available": 8 << 30, "ram_this": 1 << 30, "ram_others": 7 << 30,
+                       "gpu": nvml.Nvml().sample(), "gpu_note": ""})
+    header = graphs.vram_plot.header.text()
+    assert "this process 5.00" in header and "other processes 0.25, driver and display 0.75" in header
+    assert "others 1.00" not in header
+
+
 def test_a_failing_sampler_says_so_once_and_a_working_sample_clears_it(qapp):
     """psutil raising on every tick left the graphs at 'waiting for the first sample…' with no word: the failure is
     reported once, in one line naming it, and the graphs' note goes when a sample comes."""
@@ -2068,6 +2087,25 @@ def test_where_the_driver_hides_per_process_vram_the_models_own_is_not_counted_a
     assert {p.key: p.bytes for p in panel.last_estimate.device_parts}["others"] == others + own
     assert {p.key: p.note for p in panel.last_estimate.device_parts}["others"] == (
         "NVML's memory in use (the driver does not say whose)")
+
+
+def test_the_budget_panels_other_vram_is_said_with_the_drivers_own_part(gptoss, monkeypatch, qtbot):
+    """The VRAM breakdown's 'other processes 1.0 GiB, measured by NVML' held the driver's own 768 MiB beside the 256
+    MiB another process held: right for planning (what the card leaves this one), wrong as a sentence about other
+    processes. It is said as other processes' and the driver's, with NVML's parts."""
+    import app.gui.budget_panel as budget_panel
+    import engine.nvml as nvml
+    from tests.test_nvml import DriverReserves
+
+    monkeypatch.setattr(budget_panel, "cuda_status", lambda: "")
+    monkeypatch.setattr(nvml, "pynvml", DriverReserves([(os.getpid(), 5 << 30), (os.getppid(), 256 << 20)], 768 << 20))
+    panel = budget_panel.BudgetPanel()
+    qtbot.addWidget(panel)
+    panel.set_gpu(nvml.Nvml().sample())
+    panel.set_facts(gptoss, {"device": {"kind": "cuda"}})
+    others = {p.key: p for p in panel.last_estimate.device_parts}["others"]
+    assert (others.label, others.bytes) == ("other processes and the driver", 1 << 30)
+    assert others.note == "NVML: 256.0 MiB other processes', 768.0 MiB the driver's own reservations and the display's"
 
 
 def test_the_models_own_vram_is_what_the_engine_allocated_not_the_dense_parts_caps():

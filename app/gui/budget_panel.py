@@ -433,9 +433,9 @@ class BudgetPanel(QWidget):
         self.set_settings(settings)
 
     def set_gpu(self, gpu: dict | None, note: str = "") -> None:
-        """The latest NVML reading: the CUDA choice's capacity and what other processes hold; `note`, why there is
-        none. A sample without one (NVML did not answer) keeps the last reading: a card does not shrink to 0 bytes
-        for a second."""
+        """The latest NVML reading: the CUDA choice's capacity and what other processes and the driver hold; `note`,
+        why there is none. A sample without one (NVML did not answer) keeps the last reading: a card does not shrink
+        to 0 bytes for a second."""
         if gpu is None and self._gpu is None:
             if note != self._gpu_note:
                 self._gpu_note = note
@@ -500,6 +500,12 @@ class BudgetPanel(QWidget):
                 note = ("NVML's memory in use less this model's own as the engine counts it (the driver does not say "
                         "whose; its KV cache and onnxruntime's workspace are in it)" if own
                         else "NVML's memory in use (the driver does not say whose)")
+            elif gpu:
+                # all in use but this process's, as the load plans with: the driver's own reservations (no process's)
+                # and what only draws the screen are in it beside the other computing processes' that NVML lists
+                listed = min(others, gpu.get("listed", 0))
+                note = (f"NVML: {human_bytes(listed)} other processes', {human_bytes(others - listed)} the driver's "
+                        "own reservations and the display's")
             return DeviceChoice("cuda", gpu.get("total", 0), others, gpu.get("name", "CUDA GPU"), self._cuda_error,
                                 others_note=note)
         return DeviceChoice("cpu", 0)

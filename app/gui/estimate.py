@@ -171,11 +171,11 @@ class DeviceChoice:
     """Where resident experts would live: 'cpu' (nowhere), 'simulated' (a size you choose), 'cuda'."""
     kind: str = "cpu"
     capacity: int = 8 * GIB           # simulated size, or the card's memory
-    others_bytes: int = 0             # memory other processes hold on a real card
+    others_bytes: int = 0             # memory other processes and the driver hold on a real card
     name: str = ""
     error: str = ""                   # why the chosen device cannot be used
     index: int = 0                    # the CUDA device's number (the window opens device 0)
-    others_note: str = ""             # how others_bytes was found, where not NVML's per-process figures
+    others_note: str = ""             # how others_bytes was found, or its parts
 
     @property
     def label(self) -> str:
@@ -362,7 +362,7 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
                  (f"prefill staging ring: waves of {counted(staged.wave_experts, 'expert')}, double-buffered" if staged
                   else "prefill staging ring")
                  + (f"; decode streaming slots {human_bytes(streaming_bytes)}" if streaming_bytes else "")),
-            Part("others", "other processes", others, device.others_note or (
+            Part("others", "other processes and the driver", others, device.others_note or (
                 "measured by NVML" if device.kind == "cuda" else "none on a simulated GPU")),
         ]
         used = sum(p.bytes for p in device_parts if p.key != "others")

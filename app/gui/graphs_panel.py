@@ -348,9 +348,11 @@ class GraphsPanel(QWidget):
             self.curves["vram_used"].setData(x, used)
             self.curves["vram_total"].setData(x, total)
             self.vram_plot.setYRange(0, max(total.max(), 0.1) * 1.02, padding=0)
-            if gpu.get("per_process", True):
+            if gpu.get("per_process", True):  # (the driver's own reservations are no process's: said apart)
+                listed = min(gpu["others"], gpu.get("listed", 0))
                 held = [(t.accent, f"this process {gpu['this'] / GIB:.2f}"),
-                        (t.others, f"others {gpu['others'] / GIB:.2f}")]
+                        (t.others, f"other processes {listed / GIB:.2f}, driver and display "
+                                   f"{(gpu['others'] - listed) / GIB:.2f}")]
             else:  # (this process's share unknown: 0 is not its figure)
                 held = [(t.others, f"in use {gpu['used'] / GIB:.2f} (this process's and others': the driver does not "
                                    "say whose)")]
