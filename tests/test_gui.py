@@ -727,8 +727,11 @@ def test_a_kept_popularity_file_that_is_gone_is_said_as_the_model_opens_with_how
     settings = QSettings(ini, QSettings.Format.IniFormat)
     assert win.settings_banner.isVisible() and win.settings_banner.text() == (
         f"{ini}: the budgets kept for {path} name the popularity file {gone} (no such file): a load fails on it until "
-        f"it is back, or cleared with Defaults in the Budgets panel or taken out of what is kept under {key} there")
+        f"it is back, or taken out with Stop using the popularity file in the Budgets panel or out of what is kept "
+        f"under {key} there")
     assert win.budget_panel.config().popularity_file == str(gone) and settings.value(key) == kept
+    win.budget_panel.clear_popularity_button.click()  # the way the line names
+    assert win.budget_panel.config() == OffloadConfig() and settings.value(key) == kept  # (kept until a load takes it)
     win.settings_banner.hide()
     gone.write_text("{}")  # put back: nothing to say
     assert win.model_settings(path)["entries"] == {"session.moe.offload.popularity_file": str(gone)}

@@ -2168,6 +2168,48 @@ def test_the_budget_panel_shows_the_settings_it_has_no_control_for_and_keeps_the
     assert f"<b>node_overrides</b> = {node}:max_resident_slots=1" in QLabel.text(panel.other_settings)
 
 
+def test_the_budget_panel_stops_using_a_popularity_file_and_keeps_every_other_setting(gptoss, qtbot, tmp_path):
+    """A popularity file kept with the budgets (one moved since fails every load) could be taken out only by
+    Defaults, which reset every budget too. Stop using the popularity file, shown beside it, takes out that key alone
+    and says so; Apply sends the rest as they were."""
+    from PySide6.QtWidgets import QLabel
+
+    from app.gui.budget_panel import BudgetPanel
+
+    popularity = tmp_path / "popularity.json"
+    entries = {"placement": "static", "popularity_file": str(popularity), "device_expert_bytes": str(3 << 20),
+               "async_max_tokens": "4", "cpu_threads": "2"}
+    settings = {"device": {"kind": "simulated", "capacity": 96 << 20}, "entries": entries, "layer_split": "whole",
+                "decode_path": "cpu"}
+    panel = BudgetPanel()
+    qtbot.addWidget(panel)
+    panel.show()
+    panel.set_facts(gptoss, settings)
+    panel.mark_loaded(panel.settings())
+    before = panel.settings()
+    assert panel.clear_popularity_button.isVisible() and not panel.popularity_note.isVisible()
+    panel.clear_popularity_button.click()
+    after = panel.settings()
+    assert after["entries"] == {k: v for k, v in before["entries"].items() if not k.endswith(".popularity_file")}
+    assert len(after["entries"]) == len(before["entries"]) - 1
+    assert {k: v for k, v in after.items() if k != "entries"} == {k: v for k, v in before.items() if k != "entries"}
+    assert panel.popularity_note.isVisible() and panel.popularity_note.text() == (
+        f"popularity_file {popularity} taken out, the other settings kept: Apply places the experts without it")
+    assert not panel.clear_popularity_button.isVisible()
+    assert "popularity_file" in QLabel.text(panel.other_settings).split("Not set: ")[1]
+    assert panel.applied_label.text() == "Changed: not applied yet"
+    with qtbot.waitSignal(panel.applyRequested) as applied:
+        panel.apply_button.click()
+    assert applied.args == [after, False]
+    panel.mark_loaded(after)  # (what the window does once the engine took them)
+    assert not panel.popularity_note.isVisible() and panel.applied_label.text() == "Applied to the loaded model"
+    panel.mark_loaded(None)
+    panel.set_settings(settings)  # not loaded: the next load is what goes without it
+    panel.clear_popularity_button.click()
+    assert panel.popularity_note.text() == (f"popularity_file {popularity} taken out, the other settings kept: the "
+                                            "next load places the experts without it")
+
+
 def test_a_cuda_gpu_without_an_nvml_reading_is_not_shown_as_a_0_byte_card(gptoss, monkeypatch, qtbot):
     """Before NVML's first reading, or where it gives none (a driver without NVML), the CUDA choice said 'CUDA GPU:
     0 B' and 'of the 0 B the device has free', as if the card had no memory. It says its memory is not known, and

@@ -259,8 +259,18 @@ class BudgetPanel(QWidget):
         self.other_settings = QLabel(wordWrap=True)
         self.other_settings.setAccessibleName("Other settings in force")
         self.other_settings.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        # the popularity file is set only in the settings file, a saved configuration or --offload: taken out here
+        # alone (Defaults resets every budget too)
+        self.clear_popularity_button = QPushButton("Stop using the popularity file")
+        self.clear_popularity_button.setToolTip("Take popularity_file out of these settings, the others kept as they "
+                                                "are: placement then starts without its counts (Apply or the next "
+                                                "load)")
+        self.clear_popularity_button.clicked.connect(self.clear_popularity)
+        self.popularity_note = QLabel(wordWrap=True)
         v = QVBoxLayout()
         v.addWidget(self.other_settings)
+        v.addWidget(self.clear_popularity_button, 0, Qt.AlignmentFlag.AlignLeft)
+        v.addWidget(self.popularity_note)
         other_box.setLayout(v)
 
         estimate_box = QGroupBox("Estimate")
@@ -346,6 +356,7 @@ class BudgetPanel(QWidget):
                 "layer_split": self.layer_split.currentData(), "decode_path": self.decode_path.currentData()}
 
     def set_config(self, config: OffloadConfig) -> None:
+        self.popularity_note.setText("")  # (said of the settings it cleared, which these replace)
         self._quiet = True
         try:
             self.base = config
@@ -413,6 +424,15 @@ class BudgetPanel(QWidget):
         self.set_settings({**self.settings(), "entries": item["entries"], **own_of(item)})
         self.refresh()
 
+    def clear_popularity(self) -> None:
+        """Take popularity_file out of the settings shown, every other setting kept, and say so."""
+        path = self.base.popularity_file
+        self.set_config(self.config().updated(popularity_file=None))
+        self.popularity_note.setText(f"popularity_file {path} taken out, the other settings kept: "
+                                     + ("Apply places the experts without it" if self.loaded
+                                        else "the next load places the experts without it"))
+        self.refresh()
+
     def reset_defaults(self) -> None:
         """Every budget and setting back to its default; where the experts live (the device) stays as chosen."""
         self.set_settings({"kv_tokens": self.facts.longest_sequence if self.facts else None,
@@ -473,6 +493,7 @@ class BudgetPanel(QWidget):
 
     def _set_applied(self, settings: dict | None) -> None:
         self.applied = settings
+        self.popularity_note.setText("")  # (what it said Apply or a load would do is done, or no longer to be done)
         try:
             self._applied_config = OffloadConfig.from_entries(settings.get("entries", {})) if settings else None
         except OffloadConfigError:
@@ -551,6 +572,8 @@ class BudgetPanel(QWidget):
             self.device_note.setText("Resident experts are accounted as on a GPU of this size and computed by the "
                                      "CPU kernels; copy and device times are modelled.")
         self.other_settings.setText(other_settings_html(self.base, t))
+        self.clear_popularity_button.setVisible(bool(self.base.popularity_file))
+        self.popularity_note.setVisible(bool(self.popularity_note.text()))
         if self.facts is None:
             self.layer_text.setText("Open a model to see estimates.")
             self.pinned_note.setText("")

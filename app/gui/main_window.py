@@ -587,8 +587,8 @@ class MainWindow(QMainWindow):
             why = "not a file" if os.path.exists(popularity) else "no such file"
             self._warn_settings(
                 f"{self.settings.fileName()}: the budgets kept for {path} name the popularity file {popularity} "
-                f"({why}): a load fails on it until it is back, or cleared with Defaults in the Budgets panel or taken "
-                f"out of what is kept under {key} there")
+                f"({why}): a load fails on it until it is back, or taken out with Stop using the popularity file in "
+                f"the Budgets panel or out of what is kept under {key} there")
 
     def _set_aside(self, key: str, raw) -> str:
         """Move the unusable value under `key` to a key of its own (`<key>.bad`), so that the next save does not
