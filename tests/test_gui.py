@@ -211,6 +211,35 @@ def test_a_recent_model_whose_folder_is_gone_is_dropped_from_the_list_and_said_o
     win.close()
 
 
+def test_open_recent_lists_a_folder_once_however_it_was_named_and_shows_it_as_named(qtbot, tmp_path):
+    """Open recent compared paths as text: the same folder named /a/b, /a/b/ or through a link was listed once for
+    each name. Folders are compared resolved, each listed once, as the user last named it (a link as the link)."""
+    gptoss, lfm2moe = str(fixture_folder("gptoss")), str(fixture_folder("lfm2moe"))
+    link = tmp_path / "models" / "current"
+    link.parent.mkdir()
+    link.symlink_to(gptoss, target_is_directory=True)
+    settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
+    settings.setValue("recent", json.dumps([gptoss + "/", lfm2moe, gptoss]))  # (kept so before)
+    settings.sync()
+    win = make_window(qtbot, tmp_path, nvml=False)
+
+    def listed() -> list[str]:
+        shown = [a.text() for a in win.recent_menu.actions()]
+        assert shown == [a.text() for a in win.model_panel.recent_menu.actions()]
+        return shown
+
+    assert listed() == [gptoss + "/", lfm2moe]
+    for named, shown in ((str(link), str(link)), (gptoss + "/", gptoss), (str(link) + "/", str(link))):
+        win.open_model(named)
+        qtbot.waitUntil(lambda: not (win.busy or win._waiting), timeout=WAIT)
+        assert win.recent() == listed() == [shown, lfm2moe], named
+        assert same(win.facts.path, gptoss) and win.error_banner.isHidden()
+    win.recent_menu.actions()[1].trigger()
+    qtbot.waitUntil(lambda: not (win.busy or win._waiting), timeout=WAIT)
+    assert win.recent() == [lfm2moe, str(link)]
+    win.close()
+
+
 @pytest.mark.parametrize("tokens", [-5, 0, 250_000])
 def test_a_chat_length_the_settings_file_keeps_out_of_range_is_said_not_answered_with(qtbot, tmp_path, tokens):
     """Kept as the user's own, a chat length of -5 in a hand-edited settings file answered 1 token, without a word

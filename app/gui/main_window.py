@@ -166,6 +166,18 @@ def same_folder(a: str | None, b: str | None) -> bool:
     return a is not None and b is not None and Path(a).resolve() == Path(b).resolve()
 
 
+def distinct_folders(paths: list[str]) -> list[str]:
+    """`paths` with each folder once, as first listed: /a/b, /a/b/ and a link to it name one folder (compared
+    resolved), shown as spelt."""
+    seen: set[str] = set()
+    kept = []
+    for path in paths:
+        if (real := os.path.realpath(path)) not in seen:
+            seen.add(real)
+            kept.append(path)
+    return kept
+
+
 def app_icon() -> QIcon:
     return QIcon(str(ICON)) if ICON.is_file() else QIcon()
 
@@ -192,6 +204,7 @@ class MainWindow(QMainWindow):
         self._closed = False
         self.engine_stopped = True  # False: the engine's thread was still in a call when the window closed
         self._pending_demo_load = False
+        self._opened_as: str | None = None  # the folder being opened or loaded as the user named it (_as_named)
         self.watch = ThroughputWatch()
         self.threads_given_way = False  # the CPU kernels' automatic thread count below their cores (the last stats)
         self.warnings = WarningHold()
@@ -346,7 +359,7 @@ class MainWindow(QMainWindow):
         app = QApplication.instance()
         app.styleHints().colorSchemeChanged.connect(self._scheme_changed)  # disconnected with the window
         self.apply_theme()
-        self._show_recent(self.recent())
+        self._show_recent(distinct_folders(self.recent()))  # (a list kept before folders were compared resolved)
         self._update_state()
 
     # --- construction ------------------------------------------------------------------------------
@@ -633,11 +646,12 @@ class MainWindow(QMainWindow):
         return []
 
     def _remember_recent(self, path: str) -> None:
-        self._keep_recent([path] + [p for p in self.recent() if p != path])
+        self._keep_recent([path] + self.recent())  # (first, as named this time: under another name it goes)
 
     def _keep_recent(self, paths: list[str]) -> None:
-        self.settings.setValue("recent", json.dumps(paths[:RECENT_MAX]))
-        self._show_recent(paths[:RECENT_MAX])
+        paths = distinct_folders(paths)[:RECENT_MAX]
+        self.settings.setValue("recent", json.dumps(paths))
+        self._show_recent(paths)
 
     def _show_recent(self, paths: list[str]) -> None:
         self.model_panel.set_recent(paths)
@@ -646,6 +660,12 @@ class MainWindow(QMainWindow):
             action = self.recent_menu.addAction(p)
             action.triggered.connect(lambda _c=False, x=p: self.open_recent(x))
         self._update_recent()
+
+    def _as_named(self, path: str) -> str:
+        """The folder the worker opened (`path`, resolved) as the user named it, made absolute (through a link, say),
+        which the recent models show; `path` where it was opened otherwise (the demo)."""
+        named, self._opened_as = self._opened_as, None
+        return named if named is not None and os.path.realpath(named) == path else path
 
     def _update_recent(self) -> None:
         # as Open: while the window is busy an open would queue behind what runs
@@ -704,6 +724,7 @@ class MainWindow(QMainWindow):
     def open_model(self, path: str) -> None:
         """Inspect a folder: the table, the verdict and the estimates appear; loading is one click more."""
         self.error_banner.hide()
+        self._opened_as = os.path.abspath(os.path.expanduser(path))
         self._wait_for("opening")
         self.worker.requestOpen.emit(str(path))
 
@@ -713,7 +734,7 @@ class MainWindow(QMainWindow):
         if os.path.isdir(path):
             self.open_model(path)
             return
-        self._keep_recent([p for p in self.recent() if p != path])
+        self._keep_recent([p for p in self.recent() if os.path.realpath(p) != os.path.realpath(path)])
         why = "not a folder" if os.path.exists(path) else "no such folder"
         self.show_error(f"Could not open {path}: {why} (moved or deleted since it was opened): it is dropped from "
                         "the recent models")
@@ -721,6 +742,7 @@ class MainWindow(QMainWindow):
     @Slot()
     def load_demo(self) -> None:
         self.error_banner.hide()
+        self._opened_as = None
         self._pending_demo_load = True
         self._wait_for("opening")
         self.worker.requestDemo.emit(False)
@@ -734,6 +756,7 @@ class MainWindow(QMainWindow):
     def load_model(self, path: str) -> None:
         """Load a folder (inspecting it first if it is not the open one) with its remembered settings."""
         path = str(path)
+        self._opened_as = os.path.abspath(os.path.expanduser(path))
         same = self.facts is not None and Path(self.facts.path).resolve() == Path(path).resolve()
         settings = self.budget_panel.settings() if same else (self.model_settings(path) or {})
         self._start_load(path, settings)
@@ -981,7 +1004,7 @@ class MainWindow(QMainWindow):
             self.budget_panel.mark_loaded(None)
         elif self.loaded_path is not None and self.busy != "loading":  # the loaded model opened again: still in force
             self.budget_panel.mark_loaded(self._load_settings or self.budget_panel.settings())
-        self._remember_recent(facts.path)
+        self._remember_recent(self._as_named(facts.path))
         shown = f"{facts.name} (not loaded; {Path(self.loaded_path).name} is)" if other_loaded else facts.name
         self.setWindowTitle(f"{shown} — MoE Workbench")
         self._update_state()
