@@ -2019,6 +2019,32 @@ def test_a_load_stopped_before_the_window_hears_it_began_keeps_the_loaded_model(
     assert same(window.loaded_path, fixture_folder("lfm2moe")) and window.status_state.text() == "Stopped the load."
 
 
+def test_stop_of_a_queued_load_reaches_that_load_alone_not_what_runs_ahead_of_it(qtbot, window):
+    """Stop of a load queued behind what the worker ran set the worker's stop flag, which stops whatever runs: what ran
+    ahead of the load was stopped with it (harmless only while the window queues no load behind an answer or records
+    job). The stop now reaches the load alone, by its number: what runs goes on to its end, and the load, begun after
+    it, stops before it reads the folder."""
+    load(qtbot, window, fixture_folder("lfm2moe"))
+    began, gate, stopped = threading.Event(), threading.Event(), []
+
+    def running() -> None:  # as an answer or a records job: clears the flag as it begins, and ends where it is set
+        window.worker.cancel.clear()
+        began.set()
+        gate.wait(30)
+        stopped.append(window.worker.cancel.is_set())
+
+    QTimer.singleShot(0, window.worker, running)
+    assert began.wait(30)
+    window.load_action.trigger()
+    assert window.stop_action.text() == "&Stop the load"
+    window.stop_action.trigger()
+    gate.set()
+    qtbot.waitUntil(lambda: window.load_action.isEnabled(), timeout=WAIT)
+    assert stopped == [False]
+    assert window.error_banner.text() == "Loading stopped; lfm2moe stays loaded."
+    assert same(window.loaded_path, fixture_folder("lfm2moe")) and window.status_state.text() == "Stopped the load."
+
+
 def test_a_records_job_stopped_while_it_waits_in_the_queue_is_not_run(qtbot, window):
     """A records job sent to the worker behind what it ran, stopped (its view's Cancel, or Esc) before it began, was
     stopped only once the window heard it begin: it began all the same (Record's first answer, a sweep's first

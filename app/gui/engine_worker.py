@@ -6,7 +6,8 @@ threading.Event the window sets directly, so it works at any moment: mid-answer 
 ends the answer) and mid-load (the next progress report ends the load). A chat request stopped
 before it began (the window numbers them: options["request"]) is not run; one the worker began
 meanwhile ends at its first token. A load stopped before the window saw it begin (numbered too:
-settings["request"]) stops before the loaded model goes, where it has not gone yet: that model stays. A records job
+settings["request"]) stops at its next stop point, before the loaded model goes where it has not gone yet (that model
+stays), and stops nothing else: the stop flag would stop whatever ran ahead of it. A records job
 stopped before the window saw it begin (numbered too) is not run. Any engine error becomes a `failed` message; the
 worker stays usable.
 """
@@ -103,6 +104,7 @@ class EngineWorker(QObject):
         self.cancel = threading.Event()
         self.stopped_request = 0  # the chat request (options["request"]) the window stopped before it saw it begin
         self.stopped_load = 0  # the load (settings["request"]) the window stopped before it saw it begin
+        self._load_request = None  # the number of the load that runs (settings["request"]; None: the demo's own)
         self.stopped_job = 0  # the records job (requestJob's number) the window stopped before it saw it begin
         self.unload_asked = False  # the window's Unload, queued behind what runs now, is still to come (_unload)
         self.demo_dir = demo_dir
@@ -186,9 +188,7 @@ class EngineWorker(QObject):
     @Slot(str, dict)
     def _load(self, path: str, settings: dict) -> None:
         self.cancel.clear()
-        request = settings.get("request")
-        if request is not None and request == self.stopped_load:  # (its stop's cancel came before the clear)
-            self.cancel.set()
+        self._load_request = settings.get("request")
         self.busyChanged.emit("loading")
         kept = f"; {self._loaded_facts.name} stays loaded" if self._model is not None else ""
         unloaded = None  # once this load has dropped the model loaded before: its name ('' where none was)
@@ -275,8 +275,10 @@ class EngineWorker(QObject):
 
     def _stop_point(self) -> None:
         """Where a load ends if Stop was asked: before each of its costly phases (the folder opened and inspected, the
-        GPU opened and its kernels compiled, the expert runners built and planned) and at each progress report."""
-        if self.cancel.is_set():
+        GPU opened and its kernels compiled, the expert runners built and planned) and at each progress report. Stop
+        is the stop flag, or this load's number as stopped_load: the window's stop of a load it has not seen begin,
+        which reaches that load alone (the flag would stop whatever runs ahead of it)."""
+        if self.cancel.is_set() or (self._load_request is not None and self._load_request == self.stopped_load):
             raise LoadCancelled("loading stopped")
 
     def _landed(self) -> list[str]:

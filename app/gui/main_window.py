@@ -824,15 +824,13 @@ class MainWindow(QMainWindow):
 
     def _stop_queued(self) -> None:
         """Stop the load or records job the window sent but has not seen begin. Still queued, it does not run: a load
-        reads no folder (EngineWorker.stopped_load), a records job is skipped (EngineWorker.stopped_job). One the
-        worker began meanwhile is stopped by the stop flag: a load's at once, as it may be about to drop the loaded
-        model, which a load stopped before that keeps; a records job's once the window hears it began (_on_busy).
-        Nothing the flag would stop runs ahead of either: the window sends neither while an answer, a load or a
-        records job is pending (_busy_with)."""
+        reads no folder (EngineWorker.stopped_load), a records job is skipped (EngineWorker.stopped_job). A load the
+        worker began meanwhile stops at its next stop point, its number reaching it alone (the stop flag would stop
+        what runs ahead of it too), before it drops the loaded model where it has not yet; a records job by the stop
+        flag, once the window hears it began (_on_busy)."""
         self._cancel_when_started = self._waiting
         if self._waiting == "loading":
             self.worker.stopped_load = self._loads
-            self.worker.cancel.set()
         else:
             self.worker.stopped_job = self._jobs
 
@@ -974,7 +972,8 @@ class MainWindow(QMainWindow):
             if self._waiting == activity:
                 self._waiting = None
             if self._cancel_when_started == activity:
-                self.worker.cancel.set()
+                if activity != "loading":  # (a load stops by its number: _stop_queued)
+                    self.worker.cancel.set()
                 self._stopping = STOPPABLE[activity]  # said as it ends, as for one stopped while it ran
             self._cancel_when_started = None
         self._update_state()
