@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app.gui.chat_panel import stats_line
 from engine.generation import GenerationParams, LoadedModel
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.devices import Bandwidths
@@ -56,6 +55,9 @@ def test_projection_on_hand_made_layer_stats():
 
 
 def test_chat_statistics_line_states_the_projection():
+    pytest.importorskip("PySide6")  # (the file is collected on the GPU machine too, which has no Qt)
+    from app.gui.chat_panel import stats_line
+
     timings = {"time_to_first_token_s": 0.1, "decode_tokens_per_s": 50.0, "total_s": 1.0, "generated_tokens": 9,
                "prompt_tokens": 4}
     assert "projected" not in stats_line({"timings": timings, "finish_reason": "eos"})

@@ -9,12 +9,14 @@ import re
 
 import pytest
 
-from app.gui.record_report import compare_html, detail_html
 from engine.generation import GenerationParams, LoadedModel
 from engine.records.scenarios import run_scenario
 from engine.records.schema import RunRecord
 from engine.sampling import SamplingParams
 from tests.conftest import fixture_folder
+
+pytest.importorskip("PySide6")  # the record views are the window's (app.gui); the GPU machine has no Qt
+from app.gui.record_report import compare_html, detail_html  # noqa: E402
 
 SAMPLED = GenerationParams(max_new_tokens=5, stop_strings=("zzz",), sampling=SamplingParams(
     do_sample=True, temperature=0.7, top_k=5, top_p=0.9, seed=3))
