@@ -470,7 +470,7 @@ def cpu_rate_in_force(offload) -> dict:
     rate = offload.split_cpu_rate if offload.splits_cold else offload.cpu_rate
     state = offload.cpu_rate_state(rate)
     return {"bytes_per_s": state["cpu_bytes_per_s"], "measured_bytes_per_s": state["cpu_measured_bytes_per_s"],
-            "fixed_s": rate.fixed_s, "average_bytes_per_s": rate.average}
+            "fixed_s": state["cpu_call_s"], "average_bytes_per_s": rate.average}
 
 
 def cpu_kernels(rate: dict, path: dict, misses_cpu: int, calibration: float) -> dict:
@@ -504,7 +504,7 @@ def engine_after_decode(model: LoadedModel) -> tuple[dict, dict]:
     groups = offload.streaming.groups
     held = offload.cpu_rate_state(offload.cpu_rate)
     return ({"cpu_rate": held["cpu_bytes_per_s"], "cpu_measured_rate": held["cpu_measured_bytes_per_s"],
-             "cpu_fixed_s": offload.cpu_rate.fixed_s,
+             "cpu_fixed_s": held["cpu_call_s"],
              "cpu_average_rate": offload.cpu_rate.average, "miss_slots_per_layer": list(offload.policy.miss_slots),
              "copy_prepare_s": getattr(offload.stores[0], "prepare_s", None), "copy_reuse": offload.copy_reuse.value,
              "pinned": offload.pinned_info(), "streaming_slots": [group.num_slots for group in groups],

@@ -484,12 +484,14 @@ def test_a_points_cpu_rate_is_the_one_in_force_with_the_measured_one_beside_it(t
     from engine.writer import write_model
     from tests.test_offload import SPEC, clamped_rates_model
 
-    model = clamped_rates_model(write_model(tmp_path / "m", SPEC))  # 400 GB/s measured, 40 streaming
+    model = clamped_rates_model(write_model(tmp_path / "m", SPEC))  # 60 GB/s measured, 40 streaming
     held, in_force = bench.engine_after_decode(model)
-    assert (held["cpu_rate"], held["cpu_measured_rate"]) == (40e9, pytest.approx(400e9))
-    assert (in_force["bytes_per_s"], in_force["measured_bytes_per_s"]) == (40e9, pytest.approx(400e9))
+    assert (held["cpu_rate"], held["cpu_measured_rate"], held["cpu_fixed_s"]) == (
+        pytest.approx(40e9), pytest.approx(60e9), pytest.approx(6.25e-6))
+    assert (in_force["bytes_per_s"], in_force["measured_bytes_per_s"], in_force["fixed_s"]) == (
+        pytest.approx(40e9), pytest.approx(60e9), pytest.approx(6.25e-6))
     figure = bench.cpu_kernels(in_force, {"in_force": "both"}, 1, in_force["average_bytes_per_s"])
     assert bench.cpu_kernels_words(figure).startswith(
-        " (CPU kernels 40 GB/s + 2 µs a call (measured 400, clamped to the stream), average ")
+        " (CPU kernels 40 GB/s + 6 µs a call (measured 60, clamped to the stream), average ")
     figure["cpu_kernels"]["measured_bytes_per_s"] = 40e9  # a rate within the stream is said alone
-    assert bench.cpu_kernels_words(figure).startswith(" (CPU kernels 40 GB/s + 2 µs a call, average ")
+    assert bench.cpu_kernels_words(figure).startswith(" (CPU kernels 40 GB/s + 6 µs a call, average ")

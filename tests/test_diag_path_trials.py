@@ -39,8 +39,8 @@ def test_each_steps_line_says_the_cpu_rate_in_force_with_the_measured_one_beside
     from engine.writer import write_model
     from tests.test_offload import SPEC, clamped_rates_model
 
-    model = clamped_rates_model(write_model(tmp_path / "m", SPEC))  # 400 GB/s + 2 µs measured, 40 GB/s streaming
+    model = clamped_rates_model(write_model(tmp_path / "m", SPEC))  # 60 GB/s + 100 µs measured, 40 GB/s streaming
     state = model.new_state()
     token = int(model.decoder.forward(state, [5, 6, 7])[-1].argmax())
     run_steps(model, state, token, 1, count_runs(model))
-    assert "   40.0+   2 (measured 400.0)  " in capsys.readouterr().out
+    assert "   40.0+   6 (measured 60.0)  " in capsys.readouterr().out

@@ -74,6 +74,6 @@ def test_the_split_tables_inputs_say_the_cpu_rate_in_force_with_the_measured_one
     from engine.writer import write_model
     from tests.test_offload import SPEC, clamped_rates_model
 
-    engine = clamped_rates_model(write_model(tmp_path / "m", SPEC)).offload  # 400 GB/s measured, 40 streaming
-    assert split_inputs(engine, 0).startswith("the split's table from: CPU 40.0 GB/s + 2 µs a call (measured 400.0, "
+    engine = clamped_rates_model(write_model(tmp_path / "m", SPEC)).offload  # 60 GB/s measured, 40 streaming
+    assert split_inputs(engine, 0).startswith("the split's table from: CPU 40.0 GB/s + 6 µs a call (measured 60.0, "
                                               "clamped to the stream), tier reads not measured, ")

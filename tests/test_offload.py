@@ -387,29 +387,39 @@ def test_under_decode_path_both_the_cpus_share_follows_the_rates_measured_in_its
 
 def clamped_rates_model(folder) -> LoadedModel:
     """The model under "both" on the simulated device (40 GB/s of streaming read assumed), its CPU path's and its
-    split's rates measured at 400 GB/s + 2 µs a call, past the stream, and measuring no more (the calls of its own
-    steps would be this machine's)."""
+    split's rates measured at 60 GB/s + 100 µs a call, past the stream, and measuring no more (the calls of its own
+    steps would be this machine's). The calls are unweighted (fit_keep 1), 11.25 MB in 287.5 µs on average: held to the
+    stream's 40 GB/s the line through that mean costs 287.5 - 281.25 = 6.25 µs a call."""
     from tests.test_offload_misses import line_calls, observed
 
     model = LoadedModel.open(folder, device=SimulatedDevice(1 << 30), decode_path="both",
                              offload=OffloadConfig(device_expert_bytes=device_expert_bytes(folder) // 4))
     for rate in (model.offload.cpu_rate, model.offload.split_rate):
-        observed(rate, line_calls(400e9, 2e-6))
+        rate.fit_keep = 1.0
+        observed(rate, line_calls(60e9, 100e-6))
         rate.observe = rate.observe_many = lambda *calls: None
     return model
 
 
 def test_the_engine_says_the_cpu_rate_in_force_with_the_measured_one_beside_it(model_folder):
     """copy_state (records, --json, the placement view) said the CPU rates as measured, where the miss policy and the
-    split's tables price a CPU miss at the rate clamped to the host's streaming read (cpu_bytes_per_s): 400 GB/s said,
-    40 priced. It says the rate in force, and the measured one beside it."""
+    split's tables price a CPU miss at the rate clamped to the host's streaming read (CpuRate.priced): 60 GB/s said,
+    40 priced. It says the rate in force, its fixed cost through the calls' mean (100 µs, the fitted line's, had
+    priced every call 94 µs over), and the measured one beside it."""
     from tests.test_offload_misses import line_calls, observed
 
-    engine = clamped_rates_model(model_folder).offload
+    from engine.offload.hybrid_node import HybridExpertNode
+
+    model = clamped_rates_model(model_folder)
+    engine = model.offload
     state = engine.copy_state()
     for said in (state, state["decode_path"]["cold_split"]):  # the CPU path's rate, the split's
         assert (said["cpu_bytes_per_s"], said["cpu_measured_bytes_per_s"], said["cpu_call_s"]) == (
-            40e9, pytest.approx(400e9), pytest.approx(2e-6))
+            pytest.approx(40e9, rel=1e-9), pytest.approx(60e9, rel=1e-9), pytest.approx(6.25e-6, rel=1e-6))
+    # the miss policy prices a call so (its costs for a layer's misses), and the split's costs
+    node = next(step for step in model.decoder.steps if isinstance(step, HybridExpertNode))
+    assert node._miss_costs([1], 0.0, 0.0, None).cpu_fixed_s == pytest.approx(6.25e-6, rel=1e-6)
+    assert engine._split_costs(0)[1] == pytest.approx(6.25e-6, rel=1e-6)
     slow = engine.cpu_rate_state(observed(CpuRate(), line_calls(20e9, 2e-6)))  # below the stream: the rate measured
     assert slow["cpu_bytes_per_s"] == slow["cpu_measured_bytes_per_s"] == pytest.approx(20e9)
     assert engine.cpu_rate_state(CpuRate()) == {"cpu_bytes_per_s": None, "cpu_measured_bytes_per_s": None,
@@ -430,8 +440,10 @@ def test_the_split_tables_price_a_cpu_miss_as_the_miss_policy_does(model_folder)
     assert rate.value == pytest.approx(400e9) and device.bandwidths.cpu == 40e9
     expert_s, call_s, _tier_s = engine._split_costs(0)
     assert expert_s == miss_costs(device.bandwidths, info.bytes_per_expert, [1], 0.0, cpu_rate=rate.value).cpu_s[0]
-    assert expert_s == pytest.approx(info.bytes_per_expert / 40e9) and call_s == pytest.approx(2e-6)
-    assert engine.cold_split_table(0).tolist() == [0, 0, 0, 0, 1]  # (at the 400 GB/s measured: [0, 0, 0, 1, 2])
+    # held to the stream, the line through the calls' mean would cost less than nothing a call: through the origin
+    assert expert_s == pytest.approx(info.bytes_per_expert / 40e9) and call_s == 0.0
+    # (at the 400 GB/s + 2 µs measured: [0, 0, 0, 1, 2]; at 40 GB/s beside the fitted line's 2 µs: [0, 0, 0, 0, 1])
+    assert engine.cold_split_table(0).tolist() == [0, 1, 1, 2, 3]
 
 
 def test_fixed_split_tables_hold_each_layer_with_no_share_or_row_trials(model_folder, cpu_run):

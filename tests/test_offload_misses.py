@@ -807,6 +807,32 @@ def test_a_cpu_cost_line_through_a_slightly_negative_fixed_cost_is_fitted_throug
     assert rate.average == pytest.approx(68e9 * 1.025, rel=3e-3)
 
 
+def test_a_cpu_cost_line_held_to_the_stream_passes_through_the_calls_means():
+    # calls of one to eight experts (2.5 MB each) on 150 GB/s + 100 µs, unweighted (fit_keep 1): 11.25 MB in 175 µs on
+    # average. Held to a 100 GB/s stream the line through that mean costs 175 - 112.5 = 62.5 µs a call; the fitted
+    # line's 100 µs beside the stream's slope priced the mean call at 212.5 µs
+    rate = observed(CpuRate(fit_keep=1.0, ceiling=200e9, stream=100e9), line_calls(150e9, 100e-6))
+    assert (rate.value, rate.fixed_s) == (pytest.approx(150e9, rel=1e-9), pytest.approx(100e-6, rel=1e-9))
+    assert rate.priced(100e9) == (pytest.approx(100e9, rel=1e-9), pytest.approx(62.5e-6, rel=1e-9))
+    assert rate.priced(200e9) == (rate.value, rate.fixed_s)  # a stream the slope does not pass: the line as fitted
+    # 400 GB/s + 2 µs held to 40 GB/s: the mean less its bytes at 40 GB/s is below 0, so the line goes through the
+    # origin, whose slope (400 GB/s less a little) is held to the stream too
+    fast = observed(CpuRate(fit_keep=1.0), line_calls(400e9, 2e-6))
+    assert fast.priced(40e9) == (pytest.approx(40e9, rel=1e-9), 0.0)
+    # the held line checked as a fitted one: 150 GB/s + 100 µs held to 10 GB/s is through the origin (the mean,
+    # 175 µs, is below 11.25 MB at 10 GB/s) and prices every call ~6x over, explaining none of how their times vary:
+    # refused, the average rate held to the stream
+    assert rate.priced(10e9) == (10e9, 0.0)
+    # a kept slope through later calls of one size (no line of their own): held to the stream as _through_recent
+    # makes it, through their mean (four experts, 10 MB in 166.7 µs: 66.7 µs at 100 GB/s)
+    kept = observed(CpuRate(ceiling=200e9, stream=100e9), line_calls(150e9, 100e-6))
+    assert kept.value == pytest.approx(150e9, rel=1e-6)
+    observed(kept, [(4 * FLAT_EXPERT, 100e-6 + 4 * FLAT_EXPERT / 150e9)] * 400)
+    assert kept._line() is None and kept.value == pytest.approx(150e9, rel=1e-6)
+    assert kept.priced(100e9) == (pytest.approx(100e9, rel=1e-9), pytest.approx(66.67e-6, rel=1e-3))
+    assert CpuRate().priced(100e9) == (None, 0.0)
+
+
 def test_the_average_cpu_rate_is_bounded_by_the_ceiling():
     # calls of eight experts at 37 GB/s (no spread: no line), then one timed at 1 µs (20 MB: 20 TB/s) counts as a
     # call at the ceiling, observe() and observe_many() alike

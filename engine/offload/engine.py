@@ -427,12 +427,12 @@ class OffloadEngine(DenseLanding):
 
     def _split_costs(self, layer: int) -> tuple[float, float, float]:
         """The split's costs in this layer (seconds): the CPU's a cold expert (at the rate the miss policy prices it at,
-        miss_policy.cpu_bytes_per_s) and a call, the GPU's a cold expert read from the tier."""
+        CpuRate.priced) and a call, the GPU's a cold expert read from the tier."""
         info, store = self.infos[layer], self.stores[layer]
-        bandwidths, rate = self.device.bandwidths, self.split_cpu_rate
+        bandwidths = self.device.bandwidths
+        rate, fixed_s = self.split_cpu_rate.priced(bandwidths.cpu)
         tier_bytes_per_s = self.tier_read.value or TIER_READ_SHARE * bandwidths.pcie
-        return (info.bytes_per_expert / cpu_bytes_per_s(bandwidths, rate.value), rate.fixed_s,
-                store.read_bytes / tier_bytes_per_s)
+        return (info.bytes_per_expert / cpu_bytes_per_s(bandwidths, rate), fixed_s, store.read_bytes / tier_bytes_per_s)
 
     @property
     def split_cpu_rate(self) -> CpuRate:
@@ -441,13 +441,12 @@ class OffloadEngine(DenseLanding):
         return self.split_rate if self.split_rate.value is not None else self.cpu_rate
 
     def cpu_rate_state(self, rate: CpuRate) -> dict:
-        """What `rate` prices a CPU miss at: {"cpu_bytes_per_s": the rate in force (miss_policy.cpu_bytes_per_s, at
-        most the host's streaming read), "cpu_measured_bytes_per_s": the rate measured (CpuRate.value), both None until
-        measured, "cpu_call_s": a call's fixed seconds (0 until fitted)}."""
+        """What `rate` prices a CPU miss at: {"cpu_bytes_per_s": the rate in force (CpuRate.priced, at most the host's
+        streaming read), "cpu_measured_bytes_per_s": the rate measured (CpuRate.value), both None until measured,
+        "cpu_call_s": a call's fixed seconds in force (0 until fitted)}."""
         measured = rate.value
-        in_force = measured if measured is None or self.device is None else cpu_bytes_per_s(self.device.bandwidths,
-                                                                                              measured)
-        return {"cpu_bytes_per_s": in_force, "cpu_measured_bytes_per_s": measured, "cpu_call_s": rate.fixed_s}
+        in_force, call_s = (measured, rate.fixed_s) if self.device is None else rate.priced(self.device.bandwidths.cpu)
+        return {"cpu_bytes_per_s": in_force, "cpu_measured_bytes_per_s": measured, "cpu_call_s": call_s}
 
     def observe_split_part(self, nbytes: int, seconds: float) -> None:
         """A "both" step's CPU part of `nbytes` of experts took `seconds` (not counted in its first steps)."""
@@ -810,11 +809,11 @@ class OffloadEngine(DenseLanding):
             key = (layer.num_slots, spec.num_experts, spec.k, info.bytes_per_expert, store.expert_bytes,
                    store.read_bytes)
             if key not in weighed:
+                cpu_rate, cpu_fixed_s = self.cpu_rate.priced(self.device.bandwidths.cpu)
                 weighed[key] = miss_slots(self.device.bandwidths, info.bytes_per_expert, layer.num_slots,
                                           spec.num_experts, spec.k, prepare_s=getattr(store, "prepare_s", 0.0),
                                           copy_bytes=store.expert_bytes, read_bytes=store.read_bytes,
-                                          cpu_rate=self.cpu_rate.value, reuse=self.copy_reuse.value,
-                                          cpu_fixed_s=self.cpu_rate.fixed_s)
+                                          cpu_rate=cpu_rate, reuse=self.copy_reuse.value, cpu_fixed_s=cpu_fixed_s)
             chosen.append(weighed[key])
         self.policy.miss_slots = chosen
 

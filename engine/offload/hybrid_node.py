@@ -419,10 +419,11 @@ class HybridExpertNode:
         expert; a copy moves it in the kernels' (converted) layout, which the device then reads: converted layouts
         (int2, fp4 ...) cost more on the device side than on the CPU side."""
         engine, store = self.engine, self.engine.stores[self.layer]
+        cpu_rate, cpu_fixed_s = engine.cpu_rate.priced(engine.device.bandwidths.cpu)
         return miss_costs(engine.device.bandwidths, self.info.bytes_per_expert, tokens, resident_s,
                           flops_per_token=self._flops_per_token, prepare_s=prepare_s, copy_bytes=store.expert_bytes,
-                          read_bytes=store.read_bytes, cpu_rate=engine.cpu_rate.value, reuse=reuse, launch_s=launch_s,
-                          cpu_fixed_s=engine.cpu_rate.fixed_s)
+                          read_bytes=store.read_bytes, cpu_rate=cpu_rate, reuse=reuse, launch_s=launch_s,
+                          cpu_fixed_s=cpu_fixed_s)
 
     def _stream_misses(self, miss_experts: np.ndarray, miss_tokens: np.ndarray, stats: LayerStats,
                        streaming) -> np.ndarray:

@@ -103,6 +103,7 @@ class CpuRate:
         self._calls = 0
         self._fitted: tuple[float, float] | None = None  # _line(), computed when read after new calls
         self._stale = False
+        self._kept = False  # _fitted is a kept slope through the recent calls (_through_recent), not their own line
 
     def observe(self, nbytes: int, seconds: float) -> None:
         if seconds <= 0 or nbytes <= 0:
@@ -145,9 +146,15 @@ class CpuRate:
         if var_x < (self.min_spread * mean_x) ** 2:
             return None
         slope = (sxy / w - mean_x * mean_y) / var_x
-        fixed = mean_y - slope * mean_x
+        return self._checked(mean_y - slope * mean_x, slope)
+
+    def _checked(self, fixed: float, slope: float, least_slope: float = 0.0) -> tuple[float, float] | None:
+        """The line (fixed seconds, seconds per byte) where it passes the checks in the class docstring, else None; a
+        fixed cost below 0 taken as 0 and the slope fitted through the origin, no less than `least_slope`."""
+        w, sx, sy, sxx, sxy, syy = self._sums
+        mean_y = sy / w
         if fixed < 0:
-            fixed, slope = 0.0, sxy / sxx
+            fixed, slope = 0.0, max(sxy / sxx, least_slope)
         faster = self.ceiling is not None and slope * self.ceiling < 1.0
         # R² = 1 - the mean squared residual over the variance of the calls' times (of this line, the origin's too)
         residual = (syy - 2 * (fixed * sy + slope * sxy - fixed * slope * sx) + slope * slope * sxx) / w + fixed * fixed
@@ -161,12 +168,30 @@ class CpuRate:
             return None
         if self._stale:
             line = self._line()
+            self._kept = line is None and self.keep_fit and self._fitted is not None
             if line is not None or not self.keep_fit:
                 self._fitted = line
             elif self._fitted is not None:
                 self._fitted = self._through_recent(self._fitted[1])
             self._stale = False
         return self._fitted
+
+    def priced(self, stream: float) -> tuple[float | None, float]:
+        """(bytes per second, fixed seconds a call) a CPU miss is priced at where the host streams `stream` bytes per
+        second (B_cpu and the fixed cost in the module docstring; None: not measured): value, at most the stream, and
+        fixed_s, their line held to the stream where its slope reads faster. The held line passes through the calls'
+        weighted means as the fitted one did, its fixed cost made again for the stream's slope and checked as the
+        fitted line's was (a kept line's as _through_recent makes it); a fitted line refused so prices at the average
+        rate, as one refused when fitted. Holding the slope alone kept the faster line's fixed cost: calls on 150 GB/s
+        + 100 µs, 11 MB on average, held to 100 GB/s were priced 37 µs over what they took on average."""
+        line = self._current()
+        if line is None or line[1] * stream >= 1.0:
+            value = self.value
+            return (None if value is None else min(value, stream)), self.fixed_s
+        slope = 1.0 / stream
+        w, sx, sy = self._sums[:3]
+        held = self._through_recent(slope) if self._kept else self._checked(sy / w - slope * sx / w, slope, slope)
+        return (1.0 / held[1], held[0]) if held else (min(self.average, stream), 0.0)
 
     def _through_recent(self, slope: float) -> tuple[float, float]:
         """A kept line's slope through the mean of the calls the sums hold now (their fixed cost at least 0): calls of
