@@ -47,7 +47,7 @@ from engine.offload.miss_policy import cpu_rate_words  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.offload.traces import SWITCH_EVERY, hit_rate, realistic_trace  # noqa: E402
 from engine.records.schema import ALL_RESIDENT  # noqa: E402
-from engine.units import counted, layer_words  # noqa: E402
+from engine.units import byte_rate, counted, layer_words  # noqa: E402
 from engine.writer import WriterSpec  # noqa: E402
 
 # decode steps a benchmark's warm-up goes on for at most while the engine's trials are under way (trials_under_way):
@@ -490,7 +490,7 @@ def cpu_kernels_words(figure: dict) -> str:
         return ""
     rate = figure["cpu_kernels"]
     return (f" (CPU kernels {cpu_rate_words(rate['bytes_per_s'], rate['measured_bytes_per_s'], rate['fixed_s'])}, "
-            f"average {rate['average_bytes_per_s'] / 1e9:.0f} GB/s = {rate['average_to_calibration']:.0%} of them "
+            f"average {byte_rate(rate['average_bytes_per_s'], 0)} = {rate['average_to_calibration']:.0%} of them "
             f"alone)")
 
 

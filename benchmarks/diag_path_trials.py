@@ -31,7 +31,7 @@ from benchmarks.competing_load import CompetingLoad  # noqa: E402
 from engine.dense_segment import DenseSegment  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
-from engine.units import counted, layer_words  # noqa: E402
+from engine.units import byte_rate, counted, layer_words  # noqa: E402
 
 
 def count_runs(model) -> dict:
@@ -97,13 +97,13 @@ def run_steps(model, state, token: int, steps: int, runs: dict, at_step: dict | 
         # the one the table comes from, in force; the measured one beside it where the stream clamped it
         cpu_rate = engine.cpu_rate_state(engine.split_cpu_rate if engine.splits_cold else engine.cpu_rate)
         rate, measured = cpu_rate["cpu_bytes_per_s"] or 0.0, cpu_rate["cpu_measured_bytes_per_s"] or 0.0
-        clamped = f" (measured {measured / 1e9:.1f})" if measured > rate else ""
+        clamped = f" (measured {byte_rate(measured, 1)})" if measured > rate else ""
         tier = engine.tier_read.value or 0.0
         print(f"{step:4d} {ms:7.2f} {engine.decode_path_in_force:>4}/{trial['measuring'] or '-':>4}  "
               f"replays {replays - before_replays:3d} runs {runs['runs'] - before_runs:3d} held {held:3d}  "
               f"cpu {cpu_misses:4d} read {read:4d}  "
               f"table {tables_text(split):>17}  "
-              f"{rate / 1e9:5.1f}+{cpu_rate['cpu_call_s'] * 1e6:4.0f}{clamped}  {tier / 1e9:4.1f}  "
+              f"{byte_rate(rate, 1):>10}+{cpu_rate['cpu_call_s'] * 1e6:4.0f}{clamped}  {tier / 1e9:4.1f}  "
               f"{engine.host_gap.value * 1e6:5.0f}  share {engine.share_trials.shift:+d}"
               f"/{engine.share_trials.state()['measuring'] or '-'}  beside {decoder.layers_beside - beside:2d} "
               f"again {decoder.steps_run_again - again}  cpu ms {(stats.phases['decode'].cpu_s - cpu_s) * 1e3:5.2f}",
@@ -164,7 +164,7 @@ def main() -> None:
         state = model.new_state()
         token = int(model.decoder.forward(state, prompt)[-1].argmax())
         print(f"== {fraction:.0%} resident; step ms, path in force / trial timing, dense replays / onnxruntime runs "
-              f"/ graphs held, misses cpu / read, table, CPU rate GB/s + fixed µs (measured GB/s where the host's "
+              f"/ graphs held, misses cpu / read, table, CPU rate + fixed µs (measured where the host's "
               f"streaming read clamped it), tier GB/s, host gap µs, the CPU's share shift in force / trial timing, "
               f"layers the worker took, steps run again, the CPU's ms", flush=True)
         token, _ = run_steps(model, state, token, args.steps, runs)

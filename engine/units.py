@@ -36,6 +36,14 @@ def layer_words(layers: list[int]) -> str:
     return f"layer {words}" if len(layers) == 1 else f"layers {words}"
 
 
+def byte_rate(bytes_per_s: float, decimals: int) -> str:
+    """'64.2 GB/s', or in MB/s or kB/s below 1 GB/s (a small model's or a busy CPU's rate read '0.0 GB/s')."""
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6)):
+        if bytes_per_s >= scale:
+            return f"{bytes_per_s / scale:.{decimals}f} {unit}"
+    return f"{bytes_per_s / 1e3:.{decimals}f} kB/s"
+
+
 def decode_rate(tokens_per_s: float | None, unit: str = " tok/s", none: str = "n/a (one token)") -> str:
     """A decode rate as the user reads it ("40.0 tok/s"; a table whose heading says the unit: unit=""), and `none`
     where the answers were one token each: no decode step after the first token, which the prefill gives (a table's

@@ -3,6 +3,7 @@
 import pytest
 
 from benchmarks.bench_offload import decode_repeats, decoded_spread
+from engine.units import byte_rate
 
 
 def _repeat(rate: float, bound: float) -> dict:
@@ -396,8 +397,8 @@ def test_a_points_cpu_rates_and_copy_reuse_are_the_engines_after_its_timed_decod
     printed = capsys.readouterr().out.splitlines()
     assert not any("CPU kernels" in line for line in printed if line.startswith(" 100%  decode"))
     line = next(line for line in printed if line.startswith("  50%  decode"))
-    assert (f"(CPU kernels {left[1][0] / 1e9:.0f} GB/s + {left[1][1] * 1e6:.0f} µs a call, average "
-            f"{left[1][2] / 1e9:.0f} GB/s") in line
+    assert (f"(CPU kernels {byte_rate(left[1][0], 0)} + {left[1][1] * 1e6:.0f} µs a call, average "
+            f"{byte_rate(left[1][2], 0)}") in line
 
 
 def test_the_cpu_kernels_alone_are_measured_once_at_the_start_and_each_cpu_points_rate_is_read_against_them(
@@ -455,7 +456,7 @@ def test_the_cpu_kernels_alone_are_measured_once_at_the_start_and_each_cpu_point
             f"took {entry['seconds']:.1f} s; {entry['host']})\n") in printed
     ratio = point["cpu_kernels"]["average_to_calibration"]
     line = next(line for line in printed.splitlines() if line.startswith("  50%  decode"))
-    assert f" GB/s = {ratio:.0%} of them alone)" in line
+    assert f"average {byte_rate(point['cpu_kernels']['average_bytes_per_s'], 0)} = {ratio:.0%} of them alone)" in line
 
 
 def test_a_points_line_gives_its_ratio_to_each_of_its_bounds(tmp_path, monkeypatch, capsys):
@@ -495,3 +496,8 @@ def test_a_points_cpu_rate_is_the_one_in_force_with_the_measured_one_beside_it(t
         " (CPU kernels 40 GB/s + 6 µs a call (measured 60, clamped to the stream), average ")
     figure["cpu_kernels"]["measured_bytes_per_s"] = 40e9  # a rate within the stream is said alone
     assert bench.cpu_kernels_words(figure).startswith(" (CPU kernels 40 GB/s + 6 µs a call, average ")
+    # a slow host's rates, in force and on average, in MB/s: "0 GB/s" read as free
+    slow = {"bytes_per_s": 0.3e9, "measured_bytes_per_s": 0.3e9, "fixed_s": 17.3e-3, "average_bytes_per_s": 0.2e9,
+            "average_to_calibration": 0.05}
+    assert bench.cpu_kernels_words({"cpu_kernels": slow}) == (
+        " (CPU kernels 300 MB/s + 17300 µs a call, average 200 MB/s = 5% of them alone)")

@@ -12,8 +12,8 @@ import engine.offload.hybrid_node as hybrid_node
 from engine.generation import LoadedModel
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.devices import Bandwidths, SimulatedSlots
-from engine.offload.miss_policy import (CopyReuse, CpuRate, MissCosts, choose, copying_pays, cpu_bytes_per_s, miss_costs,
-                                        miss_slots)
+from engine.offload.miss_policy import (CopyReuse, CpuRate, MissCosts, choose, copying_pays, cpu_bytes_per_s,
+                                        cpu_rate_words, miss_costs, miss_slots)
 from engine.offload.placement import LayerSlots, make_policy
 from engine.offload.planner import OffloadPlanError
 from engine.writer import write_model
@@ -831,6 +831,16 @@ def test_a_cpu_cost_line_held_to_the_stream_passes_through_the_calls_means():
     assert kept._line() is None and kept.value == pytest.approx(150e9, rel=1e-6)
     assert kept.priced(100e9) == (pytest.approx(100e9, rel=1e-9), pytest.approx(66.67e-6, rel=1e-3))
     assert CpuRate().priced(100e9) == (None, 0.0)
+
+
+def test_the_words_for_a_cpu_rate_say_a_slow_one_in_mb_per_s():
+    # a host pricing a miss at 0.3 GB/s (a busy CPU's calls, each mostly its fixed cost) read "0 GB/s", as if free
+    assert cpu_rate_words(0.3e9, 0.3e9, 17.3e-3) == "300 MB/s + 17300 µs a call"
+    assert cpu_rate_words(0.45e9, 0.45e9, 0.0, decimals=1) == "450.0 MB/s + 0 µs a call"
+    assert cpu_rate_words(85e9, 85e9, 129e-6) == "85 GB/s + 129 µs a call"
+    # the measured rate beside it in its own unit where that differs from the rate in force's
+    assert cpu_rate_words(0.04e9, 400e9, 2e-6) == "40 MB/s + 2 µs a call (measured 400 GB/s, clamped to the stream)"
+    assert cpu_rate_words(85e9, 140e9, 129e-6) == "85 GB/s + 129 µs a call (measured 140, clamped to the stream)"
 
 
 def test_the_average_cpu_rate_is_bounded_by_the_ceiling():

@@ -21,7 +21,7 @@ from app.gui import theme
 from app.gui.estimate import slots_split
 from engine.offload.decode_path import BOTH, PATH_WORDS, TIER, measured_words
 from engine.offload.split_share import SHARE_WORDS, SHIFT_WORDS
-from engine.units import counted, human_bytes, layer_words
+from engine.units import byte_rate, counted, human_bytes, layer_words
 
 RECENT_MISS = 0.5    # a cold expert whose decayed routing count (x0.9 a step) is this high was routed to lately
 
@@ -494,14 +494,6 @@ def copies_text(copies: dict, layer_index: list[int] | None = None) -> str:
         parts.append("cold experts " + PATH_WORDS[path.get("in_force", "cpu")] + _cpu_share(path, layer_index) + (
             f" (measured a token: {measured_words(measured)})" if len(measured) > 1 else ""))
     return ", ".join(parts)
-
-
-def byte_rate(bytes_per_s: float, decimals: int) -> str:
-    """'64.2 GB/s', or in MB/s or kB/s below 1 GB/s (a small model's or a busy CPU's rate read '0.0 GB/s')."""
-    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6)):
-        if bytes_per_s >= scale:
-            return f"{bytes_per_s / scale:.{decimals}f} {unit}"
-    return f"{bytes_per_s / 1e3:.{decimals}f} kB/s"
 
 
 def clamped_words(state: dict, decimals: int) -> str:

@@ -45,6 +45,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.units import byte_rate
+
 
 _TIE = 1e-12  # relative: values of W this close are equal (choose, copying_pays)
 
@@ -317,10 +319,14 @@ def cpu_bytes_per_s(bandwidths, cpu_rate: float | None) -> float:
 def cpu_rate_words(in_force: float, measured: float, call_s: float, decimals: int = 0) -> str:
     """'85 GB/s + 129 µs a call': the CPU's rate in force (cpu_bytes_per_s) and a call's fixed cost, with the measured
     rate beside it where the host's streaming read held it lower: '85 GB/s + 129 µs a call (measured 140, clamped to
-    the stream)'. A report of the measured rate alone said a rate that neither the miss policy nor the split priced."""
-    words = f"{in_force / 1e9:.{decimals}f} GB/s + {call_s * 1e6:.0f} µs a call"
+    the stream)'. A report of the measured rate alone said a rate that neither the miss policy nor the split priced.
+    Rates under 1 GB/s in MB/s or kB/s (units.byte_rate): a slow host's 0.3 GB/s read '0 GB/s', as if free."""
+    rate = byte_rate(in_force, decimals)
+    words = f"{rate} + {call_s * 1e6:.0f} µs a call"
     if measured > in_force:
-        words += f" (measured {measured / 1e9:.{decimals}f}, clamped to the stream)"
+        said = byte_rate(measured, decimals)
+        number, unit = said.split(" ")
+        words += f" (measured {number if rate.endswith(unit) else said}, clamped to the stream)"  # (its unit where new)
     return words
 
 
