@@ -49,6 +49,10 @@ from engine.units import byte_rate
 
 
 _TIE = 1e-12  # relative: values of W this close are equal (choose, copying_pays)
+# A CpuRate's first calls slower than this many times their median call are left out of its fit (CpuRate.warm_ratio):
+# the calls of one to eight experts of a steady host's fit lie within k = 8 times one another, a kernel's first call
+# (its compile, cold pages) took 5-90 ms against 0.2-0.6 ms
+WARM_RATIO = 10.0
 
 
 class CpuRate:
@@ -92,14 +96,22 @@ class CpuRate:
     faster than it is kept whatever its fixed cost's share: tiny experts make a genuine call almost all fixed cost
     (that Xeon's line with the fixture models' 16-32 KiB experts: 99%), and their average rate priced each miss at
     a share of a whole call: the split gave the CPU pairs that made a layer's part up to 1.8x slower, the miss
-    policy chose copies up to 1.4x slower (seventy-second session: that line, copies or tier reads of 16-130 µs)."""
+    policy chose copies up to 1.4x slower (seventy-second session: that line, copies or tier reads of 16-130 µs).
+
+    The first `min_calls` calls reach the fit together, once all have come, less those that took more than
+    `warm_ratio` times their median call: warm-up calls (a kernel's first compile, cold pages: 5-90 ms where its calls
+    take 0.2-0.6 ms) left no line for 190-480 calls, the fit keeping 0.98 of the past a call (their times' variance
+    all theirs, R² near 0): the average rate priced a Qwen3-30B-A3B-like miss at ~32 GB/s beside the line's 66 +
+    180 µs, whose slope is the miss's cost. (The average rate counts them: it prices nothing once a line stands, and
+    keeps 0.9 of its past a call.)"""
 
     def __init__(self, keep: float = 0.9, fit: bool = True, fit_keep: float = 0.98, min_calls: int = 8,
                  min_spread: float = 0.2, keep_fit: bool = True, ceiling: float | None = None, min_r2: float = 0.5,
-                 max_fixed_share: float = 0.8, stream: float | None = None):
+                 max_fixed_share: float = 0.8, stream: float | None = None, warm_ratio: float = WARM_RATIO):
         self.keep, self.fit, self.fit_keep, self.min_calls, self.min_spread = keep, fit, fit_keep, min_calls, min_spread
         self.keep_fit, self.ceiling, self.min_r2, self.max_fixed_share = keep_fit, ceiling, min_r2, max_fixed_share
-        self.stream = stream
+        self.stream, self.warm_ratio = stream, warm_ratio
+        self._first: list[tuple[float, float]] | None = []  # the first calls, until min_calls came (then None)
         self.average: float | None = None
         self._sums = [0.0] * 6  # weighted count, Σx, Σy, Σx², Σxy, Σy² (x bytes, y seconds)
         self._calls = 0
@@ -113,7 +125,10 @@ class CpuRate:
         rate = nbytes / seconds if self.ceiling is None else min(nbytes / seconds, self.ceiling)
         self.average = rate if self.average is None else self.keep * self.average + (1 - self.keep) * rate
         keep, x, y = self.fit_keep, float(nbytes), float(seconds)
-        self._sums = [keep * old + new for old, new in zip(self._sums, (1.0, x, y, x * x, x * y, y * y))]
+        if self._first is None:
+            self._sums = [keep * old + new for old, new in zip(self._sums, (1.0, x, y, x * x, x * y, y * y))]
+        else:
+            self._warm(x, y)
         self._calls += 1
         self._stale = True  # refitted when read: layers without slots observe calls nobody prices
 
@@ -131,12 +146,27 @@ class CpuRate:
             self.average, rates = float(rates[0]), rates[1:]
         weights = self.keep ** np.arange(rates.size - 1, -1, -1)
         self.average = self.keep ** rates.size * self.average + (1 - self.keep) * float(weights @ rates)
-        weights = self.fit_keep ** np.arange(x.size - 1, -1, -1)
+        self._calls += x.size
+        self._stale = True
+        while self._first is not None and x.size:
+            self._warm(float(x[0]), float(y[0]))
+            x, y = x[1:], y[1:]
+        self._add(x, y, np.ones(x.size))
+
+    def _add(self, x: np.ndarray, y: np.ndarray, counted: np.ndarray) -> None:
+        """The calls (x bytes, y seconds) into the fit's sums in order, those `counted` 0 left out."""
+        weights = counted * self.fit_keep ** np.arange(x.size - 1, -1, -1)
         added = (weights.sum(), weights @ x, weights @ y, weights @ (x * x), weights @ (x * y), weights @ (y * y))
         decay = self.fit_keep ** x.size
         self._sums = [decay * old + float(new) for old, new in zip(self._sums, added)]
-        self._calls += x.size
-        self._stale = True
+
+    def _warm(self, x: float, y: float) -> None:
+        """A first call (see the class docstring): held until min_calls came, then all to the sums but the slow."""
+        self._first.append((x, y))
+        if len(self._first) >= self.min_calls:
+            x, y = np.array(self._first, np.float64).T
+            self._first = None
+            self._add(x, y, y <= self.warm_ratio * np.median(y))
 
     def _line(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per byte) of the fitted line, or None where the calls do not give one."""
