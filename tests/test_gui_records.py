@@ -2091,7 +2091,7 @@ def test_the_window_names_a_sweeps_tie_within_the_spread_between_repeats(qtbot, 
     view.on_finished(SweepResult([none, all_resident], requested=2, model_folder="m", base_entries={}))
     assert view.recommended is none
     assert ("A tie with the fastest, at budget share 100%: they differ by less than their spreads between repeats "
-            "(±0.05 s and ±0.15 s), and it holds less on the device (device peak 0 B against 300 B).") in (
+            "(±50.0 ms and ±150 ms), and it holds less on the device (device peak 0 B against 300 B).") in (
         view.summary.text())
     # a configuration saved from it says so (it said "within 10% of the fastest": 1.25 s is 14% above 1.1 s)
     view.configurations_path = tmp_path / "configurations.json"
@@ -2106,7 +2106,7 @@ def test_the_window_names_a_sweeps_tie_within_the_spread_between_repeats(qtbot, 
 
 def test_the_windows_sweep_summary_gives_a_small_models_times_in_figures_that_tell_them_apart(qtbot, tmp_path):
     """On the fixtures the summary read "0.00 s (fastest 0.00 s, margin 10%)": the times it recommended by, unread.
-    Under a second they are given to three significant figures, as the command line's table gives them."""
+    They are given as every time in the window is (units.duration_text: "2.40 ms"), where they read "0.00240 s"."""
     from app.gui.records_jobs import SweepResult
     from app.gui.sweep_view import SweepView
     from tests.test_records import _repeated_point
@@ -2118,8 +2118,12 @@ def test_the_windows_sweep_summary_gives_a_small_models_times_in_figures_that_te
         point.records[0].timings["completion_s"] = 0.0041
     view.on_finished(SweepResult(points, requested=2, model_folder="m", base_entries={}))
     assert view.recommended is points[0]
-    assert ": 0.00240 s (fastest 0.00220 s, margin 10%)" in view.summary.text()
-    assert "measured on this machine 0.00410 s" in view.summary.text()
+    assert ": 2.40 ms (fastest 2.20 ms, margin 10%)" in view.summary.text()
+    assert "measured on this machine 4.10 ms, " in view.summary.text()
+    for point, seconds in zip(points, (0.0041, 0.0052)):  # measured on a CUDA card: no projection
+        point.records[0].timings = {"completion_s": seconds, "decode_tokens_per_s": 1}
+    view.on_finished(SweepResult(points, requested=2, model_folder="m", base_entries={}))
+    assert "completion 4.10 ms (fastest 4.10 ms, margin 10%)" in view.summary.text()
 
 
 def test_the_windows_sweep_summary_names_the_smaller_budgets_it_passed_over_for_holding_more(qtbot, tmp_path):

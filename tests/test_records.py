@@ -707,15 +707,27 @@ def test_a_sweep_recommendation_names_a_tie_within_the_repeats_spread_and_takes_
     assert none.projected_completion_s == 1.25 and none.spread_s(projected=True) == pytest.approx(0.05)
     assert chosen.line() == ("recommended: 0 bytes (budget share 0%), the least device peak (0 B) of the points whose "
                              "projected completion time is within 10% of the fastest or ties with it: 1.25 s, tied "
-                             "with the fastest (1.1 s, at budget share 100%): they differ by less than their spreads "
-                             "between repeats (±0.05 s and ±0.15 s), and it holds less on the device (device peak "
+                             "with the fastest (1.10 s, at budget share 100%): they differ by less than their spreads "
+                             "between repeats (±50.0 ms and ±150 ms), and it holds less on the device (device peak "
                              "0 B against 300 B); each time the median of 3 repeats")
     assert chosen.note == ("sweep recommendation tied with the fastest (at budget share 100%) within the spread "
                            "between repeats")
     slower = _repeated_point(0, [1.5, 1.55, 1.6])
     chosen = recommendation([slower, all_resident], margin=0.10)
     assert chosen.point is all_resident and not chosen.tie
-    assert chosen.line().endswith("ties with it: itself the fastest (1.1 s); each time the median of 3 repeats")
+    assert chosen.line().endswith("ties with it: itself the fastest (1.10 s); each time the median of 3 repeats")
+
+
+def test_a_sweep_recommendations_times_read_as_the_windows_do():
+    """The line kept its own format, four figures in seconds and spreads in two ("0.0455 s", "±0.0015 s"), where the
+    window gives a time as units.duration_text does: a small model's times and spreads read in ms as there."""
+    none, all_resident = _repeated_point(0, [0.044, 0.0455, 0.047]), _repeated_point(300, [0.037, 0.041, 0.045])
+    chosen = recommendation([none, all_resident], margin=0.10)  # 11% slower, spreads ±1.5 ms and ±4 ms: a tie
+    assert chosen.point is none and chosen.tie
+    assert chosen.line().split("ties with it: ")[1] == (
+        "45.5 ms, tied with the fastest (41.0 ms, at budget share 100%): they differ by less than their spreads "
+        "between repeats (±1.50 ms and ±4.00 ms), and it holds less on the device (device peak 0 B against 300 B); "
+        "each time the median of 3 repeats")
 
 
 def test_a_sweeps_device_parts_line_says_each_percentage_is_a_budget_share():
@@ -744,12 +756,12 @@ def test_a_sweep_recommends_the_least_device_peak_within_the_margin_where_a_smal
     assert chosen.point is resident and not chosen.tie
     assert chosen.line() == ("recommended: 300 bytes (budget share 100%), the least device peak (1.5 MiB) of the "
                              "points whose projected completion time is within 10% of the fastest or ties with it: "
-                             "itself the fastest (1 s); smaller budgets among them hold more on the device (budget "
+                             "itself the fastest (1.00 s); smaller budgets among them hold more on the device (budget "
                              "share 67%: 48.0 MiB)")
     chosen = recommendation([slow, mapped, point(300, 1.0, 48 << 20)], margin=0.10)  # equal peaks: the smaller budget
     assert chosen.point is mapped and not chosen.tie
     assert chosen.line().startswith("recommended: 200 bytes (budget share 67%), the least device peak (48.0 MiB) of ")
-    assert chosen.line().endswith(": 1.05 s, within 10% of the fastest (1 s, at budget share 100%)")
+    assert chosen.line().endswith(": 1.05 s, within 10% of the fastest (1.00 s, at budget share 100%)")
     tied = [_repeated_point(0, [1.2, 1.25, 1.3]), _repeated_point(300, [0.95, 1.1, 1.25])]  # 14% apart, spreads overlap
     for record in tied[0].records:
         record.peaks["device_bytes"] = 600  # the smaller budget holding more: the tie goes to the fastest

@@ -25,7 +25,7 @@ REPEATS_MAX = 9  # a sweep's runs at each budget, at most (each repeat is a whol
 from engine.records.scenarios import SCENARIOS
 from engine.records.sweep import (DISABLED_REFUSED, Recommendation, SweepPoint, device_parts_line,
                                   reasoning_length_note, recommendation, uses_projection)
-from engine.units import counted, decode_rate, human_bytes, seconds_figures
+from engine.units import counted, decode_rate, duration_text, human_bytes
 
 KIND = "sweeping"
 # (key, title, what a point gives, whether it is bytes: those are drawn in the unit that fits)
@@ -386,17 +386,17 @@ class SweepView(QWidget):
                 f"Recommended: {human_bytes(best.budget_bytes)} of experts on the device (budget share "
                 f"{best.fraction:.0%}{where}), by the completion time projected for the simulated card (PCIe "
                 f"{bw.get('pcie_bytes_per_s', 0) / 1e9:.0f} GB/s, HBM {bw.get('hbm_bytes_per_s', 0) / 1e9:.0f} GB/s "
-                f"assumed): {seconds_figures(best.projected_completion_s)} s (fastest {seconds_figures(fastest)} s, "
+                f"assumed): {duration_text(best.projected_completion_s)} (fastest {duration_text(fastest)}, "
                 f"margin {margin * 100:g}%), {decode_rate(best.projected_decode_tokens_per_s)} projected; measured on "
-                f"this machine {seconds_figures(best.completion_s)} s, {decode_rate(best.decode_tokens_per_s)} (the "
+                f"this machine {duration_text(best.completion_s)}, {decode_rate(best.decode_tokens_per_s)} (the "
                 f"simulated device computes the card's experts on the CPU); device peak "
                 f"{human_bytes(best.peak_device_bytes)}, RAM peak {human_bytes(best.peak_rss_bytes)}.")
         else:
             fastest = min(p.completion_s for p in self.result.points)
             self.summary.setText(
                 f"Recommended: {human_bytes(best.budget_bytes)} of experts on the device (budget share "
-                f"{best.fraction:.0%}{where}), completion {seconds_figures(best.completion_s)} s (fastest "
-                f"{seconds_figures(fastest)} s, margin {margin * 100:g}%), {decode_rate(best.decode_tokens_per_s)}, "
+                f"{best.fraction:.0%}{where}), completion {duration_text(best.completion_s)} (fastest "
+                f"{duration_text(fastest)}, margin {margin * 100:g}%), {decode_rate(best.decode_tokens_per_s)}, "
                 f"device peak {human_bytes(best.peak_device_bytes)}, RAM peak {human_bytes(best.peak_rss_bytes)}.")
         if chosen.tie:  # beyond the margin, or within it: the repeats cannot tell the two apart
             self.summary.setText(f"{self.summary.text()} A tie with the fastest, at budget share "

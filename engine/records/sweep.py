@@ -24,7 +24,7 @@ from engine.records.lengths import SWEEP_REPEATS
 from engine.records.scenarios import (TIER_MAPPINGS, TIER_MAPPINGS_WHY, decoded_tokens, device_parts_text,
                                       run_scenario, scenario_turns, warm_up_answer)
 from engine.records.schema import RunRecord, decode_path_run
-from engine.units import human_bytes
+from engine.units import duration_text, human_bytes
 
 
 @dataclass
@@ -525,8 +525,8 @@ class Recommendation:
                      f"{human_bytes(fastest.peak_device_bytes)})")
         else:  # recommendation() prefers the fastest where everything else is equal
             holds = f"it holds as much on the device ({human_bytes(best.peak_device_bytes)}) on a smaller budget"
-        return (f"they differ by less than their spreads between repeats (±{best.spread_s(self.projected):.2g} s "
-                f"and ±{fastest.spread_s(self.projected):.2g} s), and {holds}")
+        spreads = " and ±".join(duration_text(point.spread_s(self.projected)) for point in (best, fastest))
+        return f"they differ by less than their spreads between repeats (±{spreads}), and {holds}"
 
     @property
     def passed_over_text(self) -> str:
@@ -536,22 +536,22 @@ class Recommendation:
                          f"{human_bytes(p.peak_device_bytes)}" for p in self.passed_over)
 
     def line(self) -> str:
-        """The rule, one line: which point, its device peak, by which time against which fastest point, the times in
-        four figures (the table's 0.04s and 0.05s may be 0.0449 and 0.0451), the repeats' spreads where they decided,
-        and the smaller budgets passed over for holding more."""
+        """The rule, one line: which point, its device peak, by which time against which fastest point, the times as
+        the table and the window give them (units.duration_text), the repeats' spreads where they decided, and the
+        smaller budgets passed over for holding more."""
         best, fastest = self.point, self.fastest
         split = f" {best.split}" if best.split else ""
         said = (f"recommended: {best.budget_bytes} bytes (budget share {best.fraction:.0%}{split}), the least device "
                 f"peak ({human_bytes(best.peak_device_bytes)}) of the points whose {'projected ' * self.projected}"
                 f"completion time is within {self.margin * 100:g}% of the fastest or ties with it: ")
         at = f"budget share {fastest.fraction:.0%}" + (f" {fastest.split}" if fastest.split else "")
-        against = f"the fastest ({self.seconds(fastest):.4g} s, at {at})"
+        against = f"the fastest ({duration_text(self.seconds(fastest))}, at {at})"
         if best is fastest:
-            said += f"itself the fastest ({self.seconds(best):.4g} s)"
+            said += f"itself the fastest ({duration_text(self.seconds(best))})"
         elif self.within_margin:
-            said += f"{self.seconds(best):.4g} s, within {self.margin * 100:g}% of {against}"
+            said += f"{duration_text(self.seconds(best))}, within {self.margin * 100:g}% of {against}"
         else:
-            said += f"{self.seconds(best):.4g} s, tied with {against}"
+            said += f"{duration_text(self.seconds(best))}, tied with {against}"
         if self.tie:
             said += f"{'; a tie' if self.within_margin else ''}: {self.tie_reason}"
         if self.passed_over:
