@@ -541,7 +541,7 @@ def test_contentions_report_names_the_scenario_its_inference_ran(tmp_path, capsy
     corpus = make_corpus(tmp_path / "corpus", files=4, words_per_file=60)
     run = ("contention", str(fixture_folder("gptoss")), "--corpus", str(corpus), "--max-new-tokens", "2")
     status, out, _err = _main(capsys, *run, "--scenario", "multiturn")
-    assert status == 0 and re.search(r"^\| inference \(multiturn\) \| [0-9.]+ s \| [0-9.]+ s \| [0-9.]+x"
+    assert status == 0 and re.search(r"^\| inference \(multiturn\) \| [0-9.]+ m?s \| [0-9.]+ m?s \| [0-9.]+x"
                                      r"( \((faster|slower)\))? \|$", out, re.MULTILINE), out
     status, out, _err = _main(capsys, *run, "--json")
     assert status == 0 and json.loads(out)["scenario"] == "short"

@@ -952,8 +952,8 @@ def test_contention_view_times_three_phases_and_saves_the_report(qtbot, window, 
     assert report.documents == 12 and report.workers == 1
     assert report.indexing_alone_s > 0 and report.inference_alone_s > 0
     assert report.indexing_with_inference_s > 0 and report.inference_with_indexing_s > 0
-    assert view.table.item(0, 1).text() == f"{seconds_figures(report.indexing_alone_s)} s"
-    assert view.table.item(1, 2).text() == f"{seconds_figures(report.inference_with_indexing_s)} s"
+    assert view.table.item(0, 1).text() == duration_text(report.indexing_alone_s)
+    assert view.table.item(1, 2).text() == duration_text(report.inference_with_indexing_s)
     assert view.table.item(1, 3).text() == ratio_words(report.inference_slowdown)
     shares = report.others_share
     assert view.bar.status.text().endswith(f"Other processes took {shares['indexing_alone']:.0%} and "
@@ -1066,7 +1066,8 @@ def test_the_contention_view_says_the_cpu_stands_in_for_a_simulated_card(qtbot):
 
 def test_the_contention_tables_give_a_fast_answers_time_in_figures_that_tell_it(qtbot):
     """The report's table and the window's gave times with two decimals: a small model's inference in 4 ms read
-    "0.00 s" alone and together. They give them as every other time is (units.seconds_figures)."""
+    "0.00 s" alone and together, then "0.00412 s" in a format of their own. They give them as the window gives every
+    time (units.duration_text)."""
     from app.gui.contention_view import ContentionView
     from app.gui.records_jobs import ContentionResult
     from engine.records.contention import ContentionReport
@@ -1074,11 +1075,11 @@ def test_the_contention_tables_give_a_fast_answers_time_in_figures_that_tell_it(
     report = ContentionReport(1, 12, 1.5, 0.00412, 2.25, 0.0087)
     assert report.markdown().splitlines()[2:4] == [
         "| indexing 12 files, 1 worker | 1.50 s | 2.25 s | 1.50x (slower) |",
-        "| inference | 0.00412 s | 0.00870 s | 2.11x (slower) |"]
+        "| inference | 4.12 ms | 8.70 ms | 2.11x (slower) |"]
     view = ContentionView()
     qtbot.addWidget(view)
     view.on_finished(ContentionResult(report, "corpus"))
-    assert [view.table.item(1, c).text() for c in range(1, 4)] == ["0.00412 s", "0.00870 s", "2.11× (slower)"]
+    assert [view.table.item(1, c).text() for c in range(1, 4)] == ["4.12 ms", "8.70 ms", "2.11× (slower)"]
     assert [view.table.item(0, c).text() for c in range(1, 4)] == ["1.50 s", "2.25 s", "1.50× (slower)"]
 
 

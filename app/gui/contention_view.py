@@ -16,7 +16,7 @@ from engine.errors import not_written
 from engine.records.contention import MAX_WORKERS, RATIO_HEADER, STAND_IN, ContentionReport, phase_after, ratio_words
 from engine.records.lengths import SCENARIO_TOKENS
 from engine.records.scenarios import SCENARIOS
-from engine.units import seconds_figures
+from engine.units import duration_text
 
 KIND = "contention"
 
@@ -108,8 +108,7 @@ class ContentionView(QWidget):
             self.bar.finish("Cancelled between phases: no report.")
             return
         for r, (name, alone, together, slowdown) in enumerate(report.rows()):
-            for c, text in enumerate((name, f"{seconds_figures(alone)} s", f"{seconds_figures(together)} s",
-                                      ratio_words(slowdown))):
+            for c, text in enumerate((name, duration_text(alone), duration_text(together), ratio_words(slowdown))):
                 self.table.setItem(r, c, QTableWidgetItem(text))
         self.save_button.setEnabled(True)
         shares = report.others_share or {}

@@ -19,7 +19,7 @@ import platformdirs
 from engine.errors import WorkbenchError
 from engine.host_load import HostLoadMeter
 from engine.sampling import SamplingParams, describe
-from engine.units import counted, seconds_figures
+from engine.units import counted, duration_text
 
 _WORDS = ("expert router token layer memory bandwidth cache offload device budget prefill decode "
           "placement resident cold hot kernel thread index search query document corpus record sweep "
@@ -163,8 +163,7 @@ class ContentionReport:
             lines += [f"Model {self.model}, on {where}.{stand_in}", ""]
         lines += [f"| workload | alone | together | {RATIO_HEADER} |", "|---|---|---|---|"]
         for name, alone, together, ratio in self.rows():
-            lines.append(f"| {name} | {seconds_figures(alone)} s | {seconds_figures(together)} s | "
-                         f"{ratio_words(ratio, 'x')} |")
+            lines.append(f"| {name} | {duration_text(alone)} | {duration_text(together)} | {ratio_words(ratio, 'x')} |")
         if self.generation:
             lines += ["", f"Answers: {answers_asked(self.generation)}, at most {self.generation['max_new_tokens']} "
                           "tokens each."]
