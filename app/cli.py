@@ -20,7 +20,7 @@ from engine.reasoning import REASONING_ANSWER_TOKENS
 from engine.records.contention import MAX_WORKERS
 from engine.records.lengths import SCENARIO_TOKENS, SWEEP_REPEATS, SWEEP_TOKENS
 from engine.sampling import RECORD_SEED
-from engine.units import INT64_MAX, counted, decode_rate, human_bytes, parse_bytes, seconds_figures
+from engine.units import INT64_MAX, counted, decode_rate, duration_text, human_bytes, parse_bytes
 
 PROG = "moe-workbench"
 SIMULATED_VRAM = 8 << 30  # the simulated GPU's memory where --simulated-vram gives none
@@ -569,8 +569,8 @@ def _warm_up(model, as_json: bool) -> float:
 
     seconds = warm_model(model)
     if seconds >= 1 and not as_json:
-        print(f"generate: the CPU kernels compiled in {seconds:.1f} s before the answer (once: Numba caches them); "
-              "not in the answer's times", file=sys.stderr, flush=True)
+        print(f"generate: the CPU kernels compiled in {duration_text(seconds)} before the answer (once: Numba caches "
+              "them); not in the answer's times", file=sys.stderr, flush=True)
     return seconds
 
 
@@ -603,8 +603,8 @@ def _print_result(result, model, as_json: bool, projected: float | None = None, 
                      if result.routing_agreement is not None else "")
         finish = result.finish_reason + (" while reasoning, before any answer" if result.cut_in_reasoning else "")
         # no decode rate for an answer whose one token was the prefill's
-        said = [tokens, f"first after {t.time_to_first_token_s * 1000:.0f} ms",
-                decode_rate(t.decode_tokens_per_s, none=""), f"{seconds_figures(t.total_s)} s"]
+        said = [tokens, f"first after {duration_text(t.time_to_first_token_s)}",
+                decode_rate(t.decode_tokens_per_s, none=""), duration_text(t.total_s)]
         if projected is not None:
             said.append(f"projected on the simulated card: {decode_rate(projected)}")
         print(f"[{', '.join(filter(None, said))}; {finish}{agreement}]", file=sys.stderr, flush=True)
@@ -859,9 +859,9 @@ def _cmd_record(args) -> int:
         if not args.json:
             t = record.timings
             print(f"{scenario}: run {run_id}: {counted(record.generated_tokens, 'token')} generated (at most "
-                  f"{tokens} an answer), load {t['load_s']:.2f} s, first token "
-                  f"{seconds_figures(t['time_to_first_token_s'])} s, decode {decode_rate(t['decode_tokens_per_s'])}, "
-                  f"completion {seconds_figures(t['completion_s'])} s, "
+                  f"{tokens} an answer), load {duration_text(t['load_s'])}, first token "
+                  f"{duration_text(t['time_to_first_token_s'])}, decode {decode_rate(t['decode_tokens_per_s'])}, "
+                  f"completion {duration_text(t['completion_s'])}, "
                   f"peak RSS {human_bytes(record.peaks['rss_bytes'])} "
                   f"({human_bytes(record.peaks['rss_start_bytes'])} at the start); CPU time taken by other processes "
                   f"{record.host_load['host_others_share']:.0%}, by the VM's host "
@@ -919,7 +919,7 @@ def _device_note(record, device) -> str:
         note += (f"; projected for the simulated card (PCIe {bw['pcie_bytes_per_s'] / 1e9:.0f} GB/s, HBM "
                  f"{bw['hbm_bytes_per_s'] / 1e9:.0f} GB/s assumed; the times before are the CPU's, standing in for "
                  f"it): decode {decode_rate(projected['decode_tokens_per_s'])}, completion "
-                 f"{seconds_figures(projected['completion_s'])} s")
+                 f"{duration_text(projected['completion_s'])}")
     return note
 
 
@@ -1108,7 +1108,7 @@ def _print_sweep(points: list, chosen, args, ids_of: dict) -> None:
               f"{'RSS peak':>10}{agreement_head}")
         for p, split, mark, path, agreement in zip(rows, split_of, marks, paths, agreements):
             print(f"{p['budget_bytes']:>12}  {shares(p)}{split}  {path:>12}  "
-                  f"{seconds_figures(p['completion_s']):>9}s  {seconds_figures(p['projected_completion_s']):>19}s  "
+                  f"{duration_text(p['completion_s']):>10}  {duration_text(p['projected_completion_s']):>20}  "
                   f"{cell_rate(p['decode_tokens_per_s']):>12}  "
                   f"{cell_rate(p['projected_decode_tokens_per_s']):>15}  {peaks(p)}{agreement}{mark}")
     elif rows:
@@ -1116,7 +1116,7 @@ def _print_sweep(points: list, chosen, args, ids_of: dict) -> None:
               f"{'decode tok/s':>12}  {'device peak':>11}  {'RSS peak':>10}{agreement_head}")
         for p, split, mark, path, agreement in zip(rows, split_of, marks, paths, agreements):
             print(f"{p['budget_bytes']:>12}  {shares(p)}{split}  {path:>12}  "
-                  f"{seconds_figures(p['completion_s']):>9}s  {cell_rate(p['decode_tokens_per_s']):>12}  "
+                  f"{duration_text(p['completion_s']):>10}  {cell_rate(p['decode_tokens_per_s']):>12}  "
                   f"{peaks(p)}{agreement}{mark}")
     if not args.json:  # on standard error: the rows stay the table a script reads
         parts = device_parts_line(points)  # (a stopped sweep's points too: its line after them says where it stopped)
@@ -1157,7 +1157,7 @@ def _cmd_history(args) -> int:
         label = " ".join((row["label"] or "-").splitlines())  # a label of two lines (given so) on its run's line
         print(f"{row['id']:>5}  {row['created']}  {row['scenario']:<9}  {label:<14}  "
               f"{device_text(row):<28}  budget {budget_text(row) or '-'}  "
-              f"completion {seconds_figures(row['completion_s'])} s{_projected_completion(row)}  "
+              f"completion {duration_text(row['completion_s'])}{_projected_completion(row)}  "
               f"{_tokens_text(row['generated_tokens'])}  "
               + (f"(approximate routing{_agreement_note(row['routing_agreement'], row['generated_tokens'])})  "
                  if row["approximate_routing"] else "") + row["model"])
@@ -1165,10 +1165,10 @@ def _cmd_history(args) -> int:
 
 
 def _projected_completion(row: dict) -> str:
-    """' (projected for the simulated card 0.05 s)' for a run on the simulated device, whose measured times have the
+    """' (projected for the simulated card 50.0 ms)' for a run on the simulated device, whose measured times have the
     CPU computing the card's experts too; else ''."""
     projected = row["projected_completion_s"]
-    return "" if projected is None else f" (projected for the simulated card {seconds_figures(projected)} s)"
+    return "" if projected is None else f" (projected for the simulated card {duration_text(projected)})"
 
 
 def _agreement_note(agreement: float | None, tokens: int) -> str:

@@ -51,18 +51,11 @@ def decode_rate(tokens_per_s: float | None, unit: str = " tok/s", none: str = "n
     return none if not tokens_per_s else f"{tokens_per_s:.1f}{unit}"
 
 
-def seconds_figures(seconds: float) -> str:
-    """Seconds without the unit, three significant figures under a second (a small model's run takes milliseconds:
-    "0.00" told none apart), two decimals from a second on ("0.00220", "0.0451", "12.35"; 0 as "0.00")."""
-    if seconds <= 0 or seconds >= 1:
-        return f"{seconds:.2f}"
-    return f"{seconds:.{2 - math.floor(math.log10(seconds))}f}"
-
-
 def duration_text(seconds: float) -> str:
-    """A time as the window gives every one (History, a run's detail and a comparison, side by side, the chat): three
-    significant figures in µs under a millisecond and in ms under a second (a small model's layer and answer:
-    "32.0 µs", "2.20 ms", "171 ms"), two decimals from a second on ("12.35 s"); 0 as "0 ms"."""
+    """A time as the workbench gives every one (the window's views, the command line's lines and tables, a sweep's
+    recommendation, the contention report): three significant figures in µs under a millisecond and in ms under a
+    second (a small model's layer and answer: "32.0 µs", "2.20 ms", "171 ms"), two decimals from a second on
+    ("12.35 s"); 0 as "0 ms"."""
     if seconds <= 0:
         return "0 ms"
     if float(f"{seconds:.3g}") >= 1:  # 0.9996 s reads "1.00 s", not "1000 ms"

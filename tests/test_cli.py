@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine.errors import WorkbenchError
-from engine.units import human_bytes, seconds_figures
+from engine.units import duration_text, human_bytes
 from tests.conftest import fixture_folder
 from tests.test_bad_input import REPO, run_cli
 
@@ -1399,15 +1399,16 @@ def test_generate_says_no_decode_rate_for_a_one_token_answer(capsys):
     stalled, where the chat and side by side leave the rate out; it leaves it out too."""
     gptoss = str(fixture_folder("gptoss"))
     status, _out, err = _main(capsys, "generate", gptoss, "--prompt", "Hi", "--greedy", "--max-new-tokens", "1")
-    assert status == 0 and re.fullmatch(r"\[1 token, first after \d+ ms, \d+\.\d+ s; length\]\n", err), err
+    time = r"[\d.]+ (?:s|ms|µs)"  # units.duration_text's
+    assert status == 0 and re.fullmatch(rf"\[1 token, first after {time}, {time}; length\]\n", err), err
     status, _out, err = _main(capsys, "generate", gptoss, "--prompt", "Hi", "--greedy", "--max-new-tokens", "3")
-    assert status == 0 and re.fullmatch(r"\[3 tokens, first after \d+ ms, \d+\.\d tok/s, \d+\.\d+ s; length\]\n",
-                                        err), err
+    assert status == 0 and re.fullmatch(rf"\[3 tokens, first after {time}, \d+\.\d tok/s, {time}; length\]\n", err), err
 
 
-def test_generates_line_gives_a_fast_answers_time_in_three_figures(capsys):
-    """generate's closing line (and so the chat's, after each answer) gave the answer's time to two decimals: a small
-    model's answer of a few milliseconds read "0.00 s", where record's line gives three figures under a second."""
+def test_generates_line_gives_a_fast_answers_times_as_the_window_does(capsys):
+    """generate's closing line gave the answer's time to two decimals: a small model's answer of a few milliseconds
+    read "0.00 s", then "0.00220 s", and its first token in whole ms ("1 ms" for 0.9 ms), formats of its own where the
+    window's chat line gives both as units.duration_text ("900 µs", "2.20 ms"). It gives them so."""
     from types import SimpleNamespace
 
     from app.cli import _print_result
@@ -1419,8 +1420,20 @@ def test_generates_line_gives_a_fast_answers_time_in_three_figures(capsys):
                                  cut_in_reasoning=False)
         _print_result(result, None, as_json=False)
         return capsys.readouterr().err
-    assert line(0.0022) == "[4 tokens, first after 1 ms, 2500.0 tok/s, 0.00220 s; length]\n"
-    assert line(12.345) == "[4 tokens, first after 1 ms, 2500.0 tok/s, 12.35 s; length]\n"
+    assert line(0.0022) == "[4 tokens, first after 900 µs, 2500.0 tok/s, 2.20 ms; length]\n"
+    assert line(12.345) == "[4 tokens, first after 900 µs, 2500.0 tok/s, 12.35 s; length]\n"
+
+
+def test_generates_kernel_compilation_line_gives_its_time_as_the_window_does(capsys, monkeypatch):
+    """The line saying the CPU kernels compiled before the answer gave its time to one decimal ("12.3 s"), a format of
+    its own: it gives it as every other time is given (units.duration_text)."""
+    import engine.kernel_warmup
+    from app.cli import _warm_up
+
+    monkeypatch.setattr(engine.kernel_warmup, "warm_model", lambda model: 12.345)
+    assert _warm_up(None, as_json=False) == 12.345
+    assert capsys.readouterr().err == ("generate: the CPU kernels compiled in 12.35 s before the answer (once: Numba "
+                                       "caches them); not in the answer's times\n")
 
 
 def test_history_refuses_a_file_that_is_not_one(tmp_path, capsys):
@@ -1795,15 +1808,13 @@ def test_the_sweep_table_shows_device_peaks_in_the_unit_that_tells_them_apart(tm
     assert header[0] == "budget bytes" and [_columns(row)[0] for row in rows] == ["0", "282624", "565248"]
 
 
-def test_a_sweeps_table_and_records_line_give_a_small_models_completion_times_in_figures_that_tell_them_apart(
-        tmp_path, capsys):
+def test_a_sweeps_table_and_records_line_give_a_small_models_times_as_the_window_does(tmp_path, capsys):
     """On the fixtures every completion in the sweep's table read "0.00s" (measured and projected: 2-9 ms), and
-    record's line "completion 0.00 s": nothing to compare budgets by. Under a second they are given to three
-    significant figures (0.00220 s), a second or more to two decimals as before."""
+    record's line "completion 0.00 s": nothing to compare budgets by. Then they read "0.00220s" and record's load
+    "0.02 s", formats of their own where the window gives every time as units.duration_text ("2.20 ms"): the table,
+    record's line and history's give them so."""
     from engine.records.history import History
 
-    assert [seconds_figures(s) for s in (0.002204, 0.0451, 0.5, 0.99949, 1.0, 12.345, 0.0)] == [
-        "0.00220", "0.0451", "0.500", "0.999", "1.00", "12.35", "0.00"]
     args = ("sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "2", "--max-new-tokens", "2",
             "--repeats", "1", "--history", str(tmp_path / "h.sqlite"))
     status, out, _err = _main(capsys, *args)
@@ -1814,12 +1825,14 @@ def test_a_sweeps_table_and_records_line_give_a_small_models_completion_times_in
     rows = [_columns(line) for line in out.splitlines()[2:]]
     records = [History(tmp_path / "h.sqlite").get(run_id) for run_id in (1, 2)]  # a point's one run: its times
     assert [(row[4], row[5]) for row in rows] == [
-        (f"{seconds_figures(r.timings['completion_s'])}s",
-         f"{seconds_figures(r.timings['projected']['completion_s'])}s") for r in records]
-    assert all(float(row[4][:-1]) > 0 and float(row[5][:-1]) > 0 for row in rows)
+        (duration_text(r.timings["completion_s"]), duration_text(r.timings["projected"]["completion_s"]))
+        for r in records]
+    assert all(re.fullmatch(r"[\d.]+ (ms|µs)", cell) for row in rows for cell in row[4:6]), rows
     status, out, err = _main(capsys, "record", str(fixture_folder("gptoss")), "--max-new-tokens", "2", "--history",
                              str(tmp_path / "h.sqlite"))
-    assert re.search(r"completion 0\.\d{3,} s", out) and "completion 0.00 s" not in out, out
+    t = History(tmp_path / "h.sqlite").get(3).timings
+    assert (f"load {duration_text(t['load_s'])}, first token {duration_text(t['time_to_first_token_s'])}, decode "
+            in out and f", completion {duration_text(t['completion_s'])}, peak RSS " in out), out
 
 
 def test_a_sweeps_device_peaks_say_what_the_device_held_at_each_point(tmp_path, capsys):
@@ -2406,7 +2419,7 @@ def test_records_line_on_the_simulated_device_says_the_projected_card_and_its_de
     parts = " + ".join(f"{name} {human_bytes(n)}" for name, n in record["peaks"]["device_parts"].items())
     assert (f"device peak {human_bytes(peak)} of 3.8 MiB ({parts}); projected for the simulated card (PCIe 25 GB/s, "
             f"HBM 1000 GB/s assumed; the times before are the CPU's, standing in for it): decode "
-            f"{projected['decode_tokens_per_s']:.1f} tok/s, completion {seconds_figures(projected['completion_s'])} s"
+            f"{projected['decode_tokens_per_s']:.1f} tok/s, completion {duration_text(projected['completion_s'])}"
             ) in out
     status, out, err = _main(capsys, "record", gptoss, "--max-new-tokens", "2", "--history", history)
     assert status == 0 and "device peak" not in out and "projected" not in out
@@ -2465,7 +2478,8 @@ def test_generate_on_the_simulated_device_says_the_decode_rate_projected_for_the
     assert abs(timings["projected_decode_tokens_per_s"] - expected) < 1e-6 * expected
     result = run_cli(*common)
     assert result.returncode == 0, result.stderr
-    assert re.search(r"tok/s, [0-9.]+ s, projected on the simulated card: [0-9.]+ tok/s; length\]", result.stderr)
+    assert re.search(r"tok/s, [0-9.]+ (?:s|ms|µs), projected on the simulated card: [0-9.]+ tok/s; length\]",
+                     result.stderr)
     assert "projected" not in run_cli(*common[:-4]).stderr  # on the CPU
 
 
@@ -2479,8 +2493,8 @@ def test_history_gives_a_simulated_runs_projected_completion_beside_the_measured
         assert status == 0, err
     simulated = json.loads(_main(capsys, "history", "--history", history, "--id", "1")[1])[0]["timings"]
     cpu_line, simulated_line = _main(capsys, "history", "--history", history)[1].splitlines()  # newest first
-    assert (f"completion {seconds_figures(simulated['completion_s'])} s (projected for the simulated card "
-            f"{seconds_figures(simulated['projected']['completion_s'])} s)  2 tokens") in simulated_line
+    assert (f"completion {duration_text(simulated['completion_s'])} (projected for the simulated card "
+            f"{duration_text(simulated['projected']['completion_s'])})  2 tokens") in simulated_line
     assert "projected" not in cpu_line
 
 

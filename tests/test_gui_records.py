@@ -30,7 +30,7 @@ from engine.records.history import History  # noqa: E402
 from engine.records.scenarios import run_scenario  # noqa: E402
 from engine.records.side_by_side import first_divergence  # noqa: E402
 from engine.records.sweep import recommend  # noqa: E402
-from engine.units import counted, duration_text, human_bytes, seconds_figures  # noqa: E402
+from engine.units import counted, duration_text, human_bytes  # noqa: E402
 from tests.conftest import fixture_folder  # noqa: E402
 
 WAIT = 60_000
