@@ -838,7 +838,8 @@ def _cmd_record(args) -> int:
     for scenario, tokens in runs:
         try:
             record = run_scenario(model, scenario, GenerationParams(max_new_tokens=tokens, sampling=sampling), device,
-                                  label=args.label, progress=_ProgressLine(f"scenario {scenario}"))
+                                  label=args.label, progress=_ProgressLine(f"scenario {scenario}"),
+                                  length_setting="--max-new-tokens")
             if fallback:
                 record.offload["device_fallback"] = fallback[0]
         except (Exception, KeyboardInterrupt) as exc:  # after runs were saved: say them (and print them, with --json)
@@ -1207,7 +1208,8 @@ def _cmd_contention(args) -> int:
 
     def inference() -> float:
         try:
-            return run_scenario(model, args.scenario, params, device).timings["completion_s"]
+            return run_scenario(model, args.scenario, params, device,
+                                length_setting="--max-new-tokens").timings["completion_s"]
         except PromptError as exc:  # whose prompt, as record says it
             raise PromptError(f"{args.scenario}: {exc}") from None
 

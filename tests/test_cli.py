@@ -1082,10 +1082,11 @@ def test_record_names_the_scenario_whose_prompt_the_context_cannot_hold(copy_fix
 
 def test_records_multiturn_past_the_context_does_not_say_to_start_a_new_conversation(copy_fixture, tmp_path, capsys):
     """A multiturn run whose answers filled the model's context ended in the chat's refusal, "...: start a new
-    conversation", which no record can do; it says what leaves the turns more room instead."""
+    conversation", which no record can do; it says what leaves the turns more room instead, naming the flag that sets
+    it (it said "a smaller answer length", the window's name, where the user types --max-new-tokens)."""
     folder = gptoss_with_context(copy_fixture, 80)
     said = (r"multiturn: the conversation so far \(\d+ tokens\) and this message \(\d+\) come to \d+ tokens, past the "
-            r"model's context of 80 \(a smaller answer length leaves the scenario's turns more room\)")
+            r"model's context of 80 \(a smaller --max-new-tokens leaves the scenario's turns more room\)")
     record = ("record", str(folder), "--max-new-tokens", "30", "--history", str(tmp_path / "h.sqlite"))
     status, _out, err = _main(capsys, *record, "--scenario", "multiturn")
     assert status == 2 and re.fullmatch(f"moe-workbench: error: {said}", err.splitlines()[-1]), err
@@ -1131,9 +1132,10 @@ def test_a_sweeps_multiturn_past_the_context_does_not_say_to_start_a_new_convers
 def test_contention_multiturn_past_the_context_does_not_say_to_start_a_new_conversation(copy_fixture, tmp_path,
                                                                                         capsys, monkeypatch):
     """As record's (above): contention's multiturn inference whose answers filled the model's context ended in the
-    chat's "...: start a new conversation", which the test cannot do; it says what leaves the turns more room. It
-    said so only after the untimed indexing warm-up had indexed the whole corpus (minutes on the default one): the
-    inference warms up first now, and no indexing runs before the refusal."""
+    chat's "...: start a new conversation", which the test cannot do; it says what leaves the turns more room, naming
+    --max-new-tokens (not the window's "answer length"). It said so only after the untimed indexing warm-up had
+    indexed the whole corpus (minutes on the default one): the inference warms up first now, and no indexing runs
+    before the refusal."""
     import engine.records.contention as contention
     from engine.records.contention import make_corpus
 
@@ -1145,7 +1147,7 @@ def test_contention_multiturn_past_the_context_does_not_say_to_start_a_new_conve
                               "--scenario", "multiturn", "--max-new-tokens", "30")
     assert status == 2 and re.fullmatch(
         r"moe-workbench: error: multiturn: the conversation so far \(\d+ tokens\) and this message \(\d+\) come to "
-        r"\d+ tokens, past the model's context of 80 \(a smaller answer length leaves the scenario's turns more "
+        r"\d+ tokens, past the model's context of 80 \(a smaller --max-new-tokens leaves the scenario's turns more "
         r"room\)", err.splitlines()[-1]), err
     assert indexed == []
 

@@ -229,16 +229,19 @@ def offload_description(model: LoadedModel, device) -> dict:
 
 
 def run_scenario(model: LoadedModel, name: str, params: GenerationParams, device=None, label: str = "",
-                 cancel: threading.Event | None = None, progress=None, on_text=None) -> RunRecord:
+                 cancel: threading.Event | None = None, progress=None, on_text=None,
+                 length_setting: str = "answer length") -> RunRecord:
     """Run one named scenario on a loaded model and measure it. `cancel` ends the answer at the next
     token (and skips the turns after it); `on_text(token, delta)` streams every answer. A turn the model's context
     cannot take after the answers before it is a PromptError saying what leaves the turns more room: the
-    conversation's own refusal ends in the chat's remedy, "start a new conversation", which no scenario run can take."""
+    conversation's own refusal ends in the chat's remedy, "start a new conversation", which no scenario run can take.
+    `length_setting` names the answers' length limit there as the user sets it (the window's answer length, the
+    command line's --max-new-tokens)."""
     turns_text = scenario_turns(name, model.tokenizer, model.config, params.max_new_tokens)
     try:
         return run_turns(model, turns_text, params, device, name, label, cancel, progress, on_text)
     except ConversationFullError as exc:
-        raise PromptError(f"{exc.problem} (a smaller answer length leaves the scenario's turns more room)") from None
+        raise PromptError(f"{exc.problem} (a smaller {length_setting} leaves the scenario's turns more room)") from None
 
 
 def decoded_tokens(turns: list[dict]) -> int:
