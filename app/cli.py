@@ -976,7 +976,7 @@ def _cmd_sweep(args) -> int:
         points = run_sweep(model, device, args.points, scenarios,
                            GenerationParams(max_new_tokens=args.max_new_tokens, sampling=sampling), progress=progress,
                            splits=BOTH_SPLITS if args.both_splits else None, on_point=save, repeats=args.repeats,
-                           on_left_out=lambda note, _count: progress.say(note))
+                           on_left_out=lambda note, _count: progress.say(note), length_setting="--max-new-tokens")
     except KeyboardInterrupt as exc:  # Ctrl-C: the points completed, as a failed point's
         progress.end()
         _print_sweep(done, None, args, ids_of)

@@ -1116,8 +1116,9 @@ def test_record_and_sweep_say_that_scenario_all_checks_the_long_inputs_room_and_
 def test_a_sweeps_multiturn_past_the_context_does_not_say_to_start_a_new_conversation(copy_fixture, tmp_path,
                                                                                       capsys):
     """As record's (above): a sweep whose multiturn answers filled the model's context failed in the chat's "...:
-    start a new conversation", which a sweep cannot do; it says what leaves the turns more room, and that the
-    multiturn failed (it named only the point, where the point's short warm-up answer had run)."""
+    start a new conversation", which a sweep cannot do; it says what leaves the turns more room, naming
+    --max-new-tokens (not the window's "answer length"), and that the multiturn failed (it named only the point, where
+    the point's short warm-up answer had run)."""
     folder = gptoss_with_context(copy_fixture, 80)
     status, _out, err = _main(capsys, "sweep", str(folder), "--device", "simulated", "--points", "2", "--repeats", "1",
                               "--scenario", "multiturn", "--max-new-tokens", "30", "--history",
@@ -1125,7 +1126,7 @@ def test_a_sweeps_multiturn_past_the_context_does_not_say_to_start_a_new_convers
     assert status == 2 and re.fullmatch(
         r"moe-workbench: error: the sweep failed at budget share 0% \(device_expert_bytes=0\), point 1 of 2, in its "
         r"multiturn run: the conversation so far \(\d+ tokens\) and this message \(\d+\) come to \d+ tokens, past "
-        r"the model's context of 80 \(a smaller answer length leaves the scenario's turns more room\); no point "
+        r"the model's context of 80 \(a smaller --max-new-tokens leaves the scenario's turns more room\); no point "
         r"finished before it; no recommendation", err.splitlines()[-1]), err
 
 

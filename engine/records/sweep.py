@@ -298,7 +298,8 @@ def _any_token(model: LoadedModel) -> int:
 def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], params: GenerationParams,
               label: str = "sweep", progress=None, cancel: threading.Event | None = None,
               on_text=None, splits: tuple[str, ...] | None = None, on_point=None, on_settle=None,
-              on_left_out=None, repeats: int = SWEEP_REPEATS) -> list[SweepPoint]:
+              on_left_out=None, repeats: int = SWEEP_REPEATS,
+              length_setting: str = "answer length") -> list[SweepPoint]:
     """`cancel` (checked between tokens) ends the sweep early: SweepCancelled, whose note, as that of anything a
     point raises, says at which point (stopped_at); the points completed before it went to `on_point`.
     `progress(fraction)` after each scenario run; `on_text(token, delta)` streams every answer; `on_settle(fraction,
@@ -312,7 +313,8 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
     A point whose budget the device cannot hold runs at what it holds (the point says so: its budget and share), and
     the sweep ends there: the points above it would run at that budget again (under mode=required they would be
     refused, not reduced). They are left out; `on_left_out(note, count)` as the sweep finds that, before the point
-    runs (`note`: which points and why)."""
+    runs (`note`: which points and why). `length_setting`: the answers' length limit as the user sets it, which a
+    multiturn past the context names (run_scenario)."""
     if model.offload is None:
         raise ValueError("a budget sweep needs a model loaded with offload on a device")
     if repeats < 1:
@@ -353,7 +355,7 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
                     if left and on_left_out:
                         on_left_out(_left_out_note(model, held, fraction, left), len(left))
                 point = _run_point(model, device, held, fraction if held == budget else None, split, scenarios,
-                                   params, label, cancel, on_text, on_settle, on_run, repeats)
+                                   params, label, cancel, on_text, on_settle, on_run, repeats, length_setting)
                 if point is None:
                     raise SweepCancelled("the sweep was cancelled")
                 results.append(point)
@@ -417,7 +419,7 @@ def _left_out_note(model: LoadedModel, held: int, fraction: float, left: list[tu
 
 def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, split: str | None,
                scenarios: list[str], params: GenerationParams, label: str, cancel, on_text, on_settle,
-               on_run, repeats: int) -> SweepPoint | None:
+               on_run, repeats: int, length_setting: str) -> SweepPoint | None:
     """At the budget just planned (`fraction` None: its share of every expert resident, where it is less than the
     point asked), settle, answer once unrecorded, run the scenarios `repeats` times (`on_run()` after each run); None
     where cancelled (the point's last answer cut short is not a result).
@@ -454,7 +456,7 @@ def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, 
                 return None
             try:
                 point.records.append(run_scenario(model, scenario, params, device, label=tag, cancel=cancel,
-                                                  on_text=on_text))
+                                                  on_text=on_text, length_setting=length_setting))
             except Exception as exc:  # the point's note names the scenario: several run at each point
                 exc.sweep_run = f"{scenario} run" + (f" (repeat {repeat + 1} of {repeats})" if repeats > 1 else "")
                 raise
