@@ -2170,6 +2170,15 @@ def test_a_configuration_that_cannot_be_written_names_the_configurations_file_an
                     "could not be made (File exists)"]
 
 
+def test_the_windows_load_line_gives_the_load_time_as_every_other_time_in_the_window(qtbot, window):
+    """The status bar's "lfm2moe loaded in 0.21 s" kept two decimals of its own where the window gives every other
+    time as units.duration_text ("210 ms"): it gives the load's so too."""
+    loads = []
+    window.worker.loaded.connect(lambda info: loads.append(info["load_s"]))  # (direct: before the window's slot)
+    load(qtbot, window, "lfm2moe")
+    assert window.status_model.text() == f"lfm2moe loaded in {duration_text(loads[0])}"
+
+
 def test_a_window_records_load_time_counts_opening_the_folder_as_the_command_lines_does(qtbot, window, monkeypatch):
     """The window opens the folder (the graph, the tokenizer) and then builds the model from it, and timed the second
     part only: its records' load time left out what `record`'s (LoadedModel.open) and side-by-side B's count."""
@@ -2188,7 +2197,8 @@ def test_a_window_records_load_time_counts_opening_the_folder_as_the_command_lin
 
     monkeypatch.setattr(engine_worker, "ModelFolder", SlowFolder)
     load(qtbot, window, "lfm2moe")
-    assert float(re.search(r"loaded in ([\d.]+) s", window.status_model.text()).group(1)) >= 0.5
+    value, unit = re.search(r"loaded in ([\d.]+) (m?s)", window.status_model.text()).groups()
+    assert float(value) * (1e-3 if unit == "ms" else 1) >= 0.5
     bar = window.scenarios
     bar.scenario.setCurrentText("short")
     bar.max_tokens.setValue(2)

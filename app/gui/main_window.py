@@ -42,6 +42,7 @@ from app.gui.widgets import MAX_ANSWER_TOKENS, Banner, scrolled
 from engine.offload.config import OffloadConfig
 from engine.offload.cuda_device import kernels_compile_wait
 from engine.records.lengths import SWEEP_REPEATS
+from engine.units import duration_text
 
 RECENT_MAX = 10
 # package data (pyproject.toml): found in an installed wheel as in the checkout
@@ -1041,7 +1042,7 @@ class MainWindow(QMainWindow):
             view.max_tokens.set_model(info["reasoning_answer_tokens"])
         self.sweep.set_model(info["reasoning_answer_tokens"])
         demo = "  ·  demo model: RANDOM weights, its text is meaningless" if info.get("is_demo") else ""
-        self.status_model.setText(f"{Path(info['path']).name} loaded in {info['load_s']:.2f} s{demo}")
+        self.status_model.setText(f"{Path(info['path']).name} loaded in {duration_text(info['load_s'])}{demo}")
         self.status_device.setText(f"experts: {info['device']} · dense part: {info.get('dense_device', 'CPU')}")
         self._update_state()
 
