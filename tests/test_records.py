@@ -627,6 +627,38 @@ def test_the_long_inputs_room_is_counted_with_the_models_tokens_not_2000():
     assert scenario_answer_tokens(model, "long") == 4096 - 2002
 
 
+def test_the_long_input_is_made_once_for_each_tokenizer_and_chat_template_and_does_not_keep_the_tokenizer():
+    """The long input, made once a tokenizer (its ~100 renders took 0.05-0.2 s at every check), stayed the one made
+    with the first chat template the tokenizer had: with another, the prompt's tokens counted for the check were not
+    those the run rendered. It is made again for a new template, and goes with its tokenizer."""
+    import gc
+    import weakref
+
+    from engine.records import scenarios
+    from engine.tokenizer import ChatTemplate, ModelTokenizer
+
+    config = SimpleNamespace(context_length=8192, search=SimpleNamespace(max_length=8192))
+    made = len(scenarios._LONG_PROMPTS)
+    tokenizer = ModelTokenizer(fixture_folder("gptoss"))
+
+    def rendered_tokens(prompt: str) -> int:
+        return len(tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": prompt}])))
+
+    first = scenario_turns("long", tokenizer, config, 8)[0]
+    renders, render = [], tokenizer.chat_template.render
+    tokenizer.chat_template.render = lambda *args: renders.append(args) or render(*args)
+    assert scenario_turns("long", tokenizer, config, 8)[0] == first and renders == []
+    # a template that puts 100 words before every message
+    template = tokenizer.chat_template
+    tokenizer.chat_template = ChatTemplate("preamble " * 100 + template.source, "test", template._special)
+    prompt = scenario_turns("long", tokenizer, config, 8)[0]
+    assert len(prompt) < len(first) and 2000 <= rendered_tokens(prompt) <= 2040
+    kept = weakref.ref(tokenizer)
+    del tokenizer
+    gc.collect()
+    assert kept() is None and len(scenarios._LONG_PROMPTS) == made
+
+
 def test_multiturn_record_reuses_the_cache(simulated_model):
     model, device = simulated_model
     record = run_scenario(model, "multiturn", GenerationParams(max_new_tokens=4), device)

@@ -72,18 +72,20 @@ def scenario_answer_tokens(model: LoadedModel, name: str) -> int:
     return tokens
 
 
-# tokenizer -> _long_prompt's (prompt, tokens): building it renders and encodes the growing prompt ~100 times (~0.2 s
-# on the fixtures), and a record, a sweep's every point and the answer length each ask for it
+# tokenizer -> (its chat template, _long_prompt's (prompt, tokens) rendered with it): building it renders and encodes
+# the growing prompt ~100 times (~0.2 s on the fixtures), and a record, a sweep's every run and the answer length each
+# ask for it. Weak on the tokenizer: a closed model's goes with it.
 _LONG_PROMPTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _long_prompt(tokenizer) -> tuple[str, int]:
     """A report whose chat-rendered prompt is just over LONG_PROMPT_TOKENS tokens, and its tokens: the word that
-    passes the target may take several of the model's tokens. Made once for each tokenizer."""
+    passes the target may take several of the model's tokens. Made once for each tokenizer and chat template."""
+    template = getattr(tokenizer, "chat_template", None)
     made = _LONG_PROMPTS.get(tokenizer)
-    if made is None:
-        made = _LONG_PROMPTS[tokenizer] = _make_long_prompt(tokenizer)
-    return made
+    if made is None or made[0] is not template:  # another template renders other tokens around the prompt
+        made = _LONG_PROMPTS[tokenizer] = (template, _make_long_prompt(tokenizer))
+    return made[1]
 
 
 def _make_long_prompt(tokenizer) -> tuple[str, int]:
