@@ -124,8 +124,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--both-splits", action="store_true",
                        help="at every budget that holds some but not all layers whole, run the budget spread over "
                             "every layer and on whole layers (the layer split), and recommend across both")
-    sweep.add_argument("--json", action="store_true", help="print the points and the recommendation as one JSON "
-                       "object")
+    sweep.add_argument("--json", action="store_true", help="print the warm-up before the first point, the points and "
+                       "the recommendation as one JSON object")
     sweep.add_argument("--history", help="SQLite history file (default: the user's data folder)")
     _add_device_arguments(sweep)
 
@@ -964,6 +964,7 @@ def _cmd_sweep(args) -> int:
         print(f"sweep: {note}; --max-new-tokens sets another", file=sys.stderr, flush=True)
     saved_ids, done = [], []  # each point's runs, saved as it completes; the points completed
     ids_of = {}  # id(point): the history ids of its runs, for the JSON rows
+    warm_up = {}  # the unrecorded answer before the first point: budget_bytes, fraction, seconds (run_sweep's)
 
     def save(point) -> None:
         first = len(saved_ids)
@@ -976,17 +977,19 @@ def _cmd_sweep(args) -> int:
         points = run_sweep(model, device, args.points, scenarios,
                            GenerationParams(max_new_tokens=args.max_new_tokens, sampling=sampling), progress=progress,
                            splits=BOTH_SPLITS if args.both_splits else None, on_point=save, repeats=args.repeats,
-                           on_left_out=lambda note, _count: progress.say(note), length_setting="--max-new-tokens")
+                           on_left_out=lambda note, _count: progress.say(note), length_setting="--max-new-tokens",
+                           on_warm_up=lambda budget, fraction, seconds: warm_up.update(
+                               budget_bytes=budget, fraction=fraction, seconds=seconds))
     except KeyboardInterrupt as exc:  # Ctrl-C: the points completed, as a failed point's
         progress.end()
-        _print_sweep(done, None, args, ids_of)
+        _print_sweep(done, None, args, ids_of, warm_up)
         print(f"{PROG}: the sweep was interrupted {stopped_at(exc)}; {_kept(done, saved_ids, args)}", file=sys.stderr)
         return 130
     except Exception as exc:
         if os.environ.get("MOE_WORKBENCH_DEBUG"):
             raise
         progress.end()
-        _print_sweep(done, None, args, ids_of)
+        _print_sweep(done, None, args, ids_of, warm_up)
         users = users_error(exc)
         print(f"{PROG}: {'error' if users else 'internal error'}: the sweep failed {stopped_at(exc)}: {one_line(exc)}; "
               f"{_kept(done, saved_ids, args)}", file=sys.stderr)
@@ -1019,7 +1022,7 @@ def _cmd_sweep(args) -> int:
             also = f", which also sets{words}" if words else ""
             print(f"saved as configuration '{args.save_as}' in {saved} (use it with --config {args.save_as}{also})",
                   file=sys.stderr)
-    _print_sweep(points, chosen, args, ids_of)
+    _print_sweep(points, chosen, args, ids_of, warm_up)
     completed = "the sweep completed: its points and recommendation are printed and its runs saved in the history"
     status = 0
     if save_failure is not None:
@@ -1060,11 +1063,12 @@ def id_ranges(ids: list[int]) -> str:
     return ", ".join(f"{first} to {last}" if last > first else f"{first}" for first, last in runs)
 
 
-def _print_sweep(points: list, chosen, args, ids_of: dict) -> None:
+def _print_sweep(points: list, chosen, args, ids_of: dict, warm_up: dict) -> None:
     """The sweep's points on standard output, the Recommendation `chosen` marked and its rule under them (None: a sweep
     that stopped early recommends none); `ids_of`: each point's runs' history ids (by id(point)), which its JSON row
-    gives."""
-    from engine.records.sweep import copy_slots_line, device_parts_line, uses_projection
+    gives; `warm_up`: the unrecorded answer before the first point (budget_bytes, fraction, seconds; empty where it
+    did not finish), which no point's runs time."""
+    from engine.records.sweep import copy_slots_line, device_parts_line, uses_projection, warm_up_line
 
     rows = [p.as_dict() for p in points]
     projected = uses_projection(points)
@@ -1095,7 +1099,8 @@ def _print_sweep(points: list, chosen, args, ids_of: dict) -> None:
 
     if args.json:
         rows = [{**row, "record_ids": ids_of[id(point)]} for row, point in zip(rows, points)]
-        print(json.dumps({"points": rows, "recommended_budget_bytes": best and best.budget_bytes,
+        print(json.dumps({"warm_up": warm_up or None, "points": rows,
+                          "recommended_budget_bytes": best and best.budget_bytes,
                           "recommended_split": best and best.split,
                           "recommended_by": best and ("projected_completion_s" if projected else "completion_s"),
                           "recommended_as_tie": chosen and chosen.tie},
@@ -1122,6 +1127,8 @@ def _print_sweep(points: list, chosen, args, ids_of: dict) -> None:
     if not args.json:  # on standard error: the rows stay the table a script reads
         parts = device_parts_line(points)  # (a stopped sweep's points too: its line after them says where it stopped)
         copies = copy_slots_line(points)  # (what "resident share" leaves out, said next to it)
+        if warm_up:
+            print(f"sweep: {warm_up_line(**warm_up)}", file=sys.stderr)
         if copies:
             print(f"sweep: {copies}", file=sys.stderr)
         if parts:

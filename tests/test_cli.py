@@ -455,6 +455,32 @@ def test_a_sweep_says_it_sets_the_expert_budget_given_at_each_point(tmp_path, ca
                             "each point") in err.splitlines()
 
 
+def test_a_sweep_prints_its_warm_up_before_the_first_point_beside_its_points(tmp_path, capsys, monkeypatch):
+    """The sweep's unrecorded answer at the loaded budget before its first point was printed nowhere, nor saved: what
+    it cost could not be told. Its line (the JSON's "warm_up") says it beside the points, a stopped sweep's too."""
+    import engine.records.sweep as sweep
+
+    real_warm_up, loaded = sweep.warm_up_answer, []
+
+    def warm_up(model, cancel=None):
+        loaded.append(model.offload.plan.budget_bytes)
+        real_warm_up(model, cancel)
+        return 0.0451
+
+    monkeypatch.setattr(sweep, "warm_up_answer", warm_up)
+    args = ("sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--history", str(tmp_path / "h.sqlite"),
+            "--points", "2", "--max-new-tokens", "1", "--scenario", "short", "--repeats", "1")
+    status, out, _err = _main(capsys, *args, "--json")
+    # the automatic budget, far above every expert's 552 KiB: every expert resident
+    assert status == 0 and loaded[0] > 565248
+    assert json.loads(out)["warm_up"] == {"budget_bytes": loaded[0], "fraction": 1.0, "seconds": 0.0451}
+    _sweep_run_raises(monkeypatch, 1, RuntimeError("failed"))
+    status, out, err = _main(capsys, *args, "--offload", "device_expert_bytes=282624")
+    assert status == 3 and out == "" and (
+        "sweep: warm-up before the first point, not recorded: an answer of up to 4 tokens at the model's loaded "
+        "budget, budget share 50% (device_expert_bytes=282624), took 45.1 ms") in err.splitlines()
+
+
 def test_sweep_checks_its_arguments_before_it_runs(tmp_path, capsys):
     gptoss = str(fixture_folder("gptoss"))
     common = ("--device", "simulated", "--history", str(tmp_path / "h.sqlite"))
@@ -708,8 +734,9 @@ def test_a_sweep_stopped_on_a_terminal_starts_its_points_and_its_line_below_the_
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     status, _out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "3",
                               "--max-new-tokens", "2", "--history", str(tmp_path / "h.sqlite"))
-    # the point's parts, below the progress line
-    assert status == 130 and "\rsweep:  33.3%\nsweep: device peak by part: budget share 0%: " in err
+    # the warm-up and the point's parts, below the progress line
+    assert status == 130 and "\rsweep:  33.3%\nsweep: warm-up before the first point, " in err
+    assert "\nsweep: device peak by part: budget share 0%: " in err
     assert err.endswith("\nmoe-workbench: the sweep was interrupted at budget share 50% (device_expert_bytes=282624), "
                         "point 2 of 3; the 1 point before it is printed, its 3 runs saved in the history (ids 1 to 3); "
                         "no recommendation\n")

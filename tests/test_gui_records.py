@@ -1303,6 +1303,39 @@ def test_a_sweep_job_says_when_a_point_decodes_until_the_trials_are_over(tmp_pat
     assert said.index(settling[1]) > said.index("3 of 9 runs done") > said.index(settling[0])  # 3 repeats a point
 
 
+def test_a_window_sweep_says_what_its_warm_up_before_the_first_point_took(qtbot, tmp_path, monkeypatch):
+    """The window's sweep said nothing of its unrecorded answer at the loaded budget before the first point, which no
+    point's runs time: the legend beside the points says what it took, a stopped sweep's too."""
+    from dataclasses import replace
+
+    import engine.records.sweep as sweep
+    from app.gui.records_jobs import SweepJob
+    from app.gui.sweep_view import SweepView
+
+    real_warm_up, loaded = sweep.warm_up_answer, []
+
+    def warm_up(model, cancel=None):
+        loaded.append(model.offload.plan.budget_bytes)
+        real_warm_up(model, cancel)
+        return 0.0451
+
+    monkeypatch.setattr(sweep, "warm_up_answer", warm_up)
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(device_expert_bytes=282624), device=device)
+    result = SweepJob(2, ["short"], 1, history_path=str(tmp_path / "h.sqlite"), repeats=1)(
+        _sweep_context(model, device, []))
+    said = ("Warm-up before the first point, not recorded: an answer of up to 4 tokens at the model's loaded budget, "
+            f"budget share 50% (device_expert_bytes={loaded[0]}), took 45.1 ms.")
+    view = SweepView(str(tmp_path / "h.sqlite"))
+    qtbot.addWidget(view)
+    view.on_finished(result)
+    assert view.legend.text().endswith(f" {said}")
+    view.on_finished(replace(result, points=result.points[:1], stopped_at="at budget share 100%"))
+    assert view.legend.text().endswith(f" {said}") and view.bar.status.text().startswith("Cancelled at budget")
+    view.on_finished(replace(result, warm_up=""))  # a sweep stopped in its warm-up
+    assert "Warm-up" not in view.legend.text()
+
+
 def test_a_sweep_of_the_repeats_chosen_in_the_window_runs_each_point_that_many_times(qtbot, tmp_path):
     """The window's sweep ran every point 3 times (the command line's --repeats had no control there): the Repeats box
     goes to the job, which runs and counts that many repeats a point, and the text before a sweep says what it does."""

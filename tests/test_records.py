@@ -895,6 +895,35 @@ def test_each_sweep_points_first_record_says_the_seconds_of_its_unrecorded_answe
         [unrecorded[0], 0.0], [unrecorded[1], 0.0]]
 
 
+def test_a_sweep_says_what_its_warm_up_before_the_first_point_took(monkeypatch):
+    """A sweep answers once, unrecorded, at the model's loaded budget before its first point: no point's record said
+    that answer's seconds (the first point's thrown-away answer took them), so nothing told what it cost. The sweep
+    gives them, with the budget it ran at, before the first point starts."""
+    from engine.records import sweep
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(device_expert_bytes=200_000),
+                             device=device)
+    loaded, events, real_warm_up = model.offload.plan.budget_bytes, [], sweep.warm_up_answer
+
+    def warm_up(model, cancel=None):
+        events.append(("answered", real_warm_up(model, cancel)))
+        return events[-1][1]
+
+    monkeypatch.setattr(sweep, "warm_up_answer", warm_up)
+    points = run_sweep(model, device, 2, ["short"], GenerationParams(max_new_tokens=2), repeats=1,
+                       on_warm_up=lambda budget, fraction, seconds: events.append(("said", budget, fraction, seconds)),
+                       on_settle=lambda fraction, split: events.append(("point", fraction)))
+    seconds = events[0][1]
+    share = loaded / all_resident_bytes(model.offload.infos)
+    assert seconds > 0 and events == [("answered", seconds), ("said", loaded, share, seconds), ("point", 0.0),
+                                      ("point", 1.0)]
+    assert 0 < loaded <= 200_000 and 0 < share < 1 and len(points) == 2
+    assert sweep.warm_up_line(282624, 0.5, 0.0451) == (
+        "warm-up before the first point, not recorded: an answer of up to 4 tokens at the model's loaded budget, "
+        "budget share 50% (device_expert_bytes=282624), took 45.1 ms")
+
+
 def test_a_sweeps_failure_names_the_run_of_its_point_that_failed(monkeypatch):
     """A failed sweep said at which point it stopped ("point 1 of 2") but not which of the point's runs failed: its
     unrecorded warm-up answer, or which scenario, in which repeat. The point's note names it."""

@@ -30,7 +30,7 @@ from engine.offload.planner import DeviceShort, under_limit
 from engine.offload.projection import is_simulated
 from engine.sampling import SamplingParams, model_sampling, recorded
 from engine.records.sweep import (SweepCancelled, SweepPoint, check_mode, fitting_scenarios, reasoning_length_note,
-                                  run_sweep, settle as end_trials, stopped_at, sweep_plan)
+                                  run_sweep, settle as end_trials, stopped_at, sweep_plan, warm_up_line)
 
 REPORT_INTERVAL_S = 0.05  # progress and streamed text go to the window in batches
 # side by side's answer length for models that answer at once where the user sets none (one that reasons first has its
@@ -246,6 +246,8 @@ class SweepResult:
     not_restored: str = ""      # why the user's budgets could not be put back (a data file changed since the load,
                                 # whose line says to load the model again; the device short, or the card out of
                                 # memory); "" where they were
+    warm_up: str = ""           # what the unrecorded answer before the first point took (warm_up_line), which no
+                                # point's runs time; "" where it did not finish
 
     @property
     def budgets_back(self) -> str:
@@ -337,11 +339,12 @@ class SweepJob:
             points.append(point)
 
         ctx.progress(0.0, f"run 1 of {total()}")
-        points, saved_ids, where, failure = [], [], "", ""
+        points, saved_ids, where, failure, warm_up = [], [], "", "", [""]
         try:
             run_sweep(model, ctx.device, self.points, scenarios, params, label=self.label, progress=progress,
                       cancel=ctx.cancel, on_text=on_text, splits=splits, on_settle=on_settle, on_point=on_point,
-                      on_left_out=on_left_out, repeats=self.repeats)
+                      on_left_out=on_left_out, repeats=self.repeats,
+                      on_warm_up=lambda *said: warm_up.__setitem__(0, warm_up_line(*said)))
         except SweepCancelled as exc:
             where = stopped_at(exc)
         except Exception as exc:  # run_sweep's note names the point; before the first, the warm-up failed
@@ -362,7 +365,7 @@ class SweepJob:
                            stopped_at=where, failure=failure, left_out=left_out[0], skipped=skipped,
                            held_before=held_before, held_after=model.offload.plan.budget_bytes,
                            layer_split=model.offload.layer_split_mode, decode_path=model.offload.decode_path_mode,
-                           not_restored=not_restored)
+                           not_restored=not_restored, warm_up=warm_up[0])
 
 
 # --- side by side ------------------------------------------------------------------------------------

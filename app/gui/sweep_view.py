@@ -62,14 +62,16 @@ def left_out_words(left: list[int]) -> str:
             "which the prefill gives, so there was no decode step to time.")
 
 
-def legend_text(projected: bool, whole: bool, left: list[int], parts: str = "") -> str:
+def legend_text(projected: bool, whole: bool, left: list[int], parts: str = "", warm_up: str = "") -> str:
     """What the plots' lines and marks are, said once beside them (a plot's title sets its column's width); `parts`:
-    what the device peaks are made of (device_parts_line)."""
+    what the device peaks are made of (device_parts_line); `warm_up`: what the unrecorded answer before the first
+    point took (warm_up_line), which no point's runs time."""
     return " ".join(["Solid line, dots: measured on this machine.",
                      *(["Dashed, triangles: projected for the simulated card."] if projected else []),
                      *(["Squares: on whole layers."] if whole else []), "Red ring: the recommended budget.",
                      *([f"{parts[:1].upper()}{parts[1:]}."] if parts else []),
-                     *([left_out_words(left)] if left else [])])
+                     *([left_out_words(left)] if left else []),
+                     *([f"{warm_up[:1].upper()}{warm_up[1:]}."] if warm_up else [])])
 
 
 def intro_text(repeats: int) -> str:
@@ -274,7 +276,7 @@ class SweepView(QWidget):
 
     def on_finished(self, result: SweepResult) -> None:
         self.result = result
-        self.plot(result.points)
+        self.plot(result.points, result.warm_up)
         if result.stopped_at:
             self._stopped_partway(result)
             return
@@ -321,9 +323,10 @@ class SweepView(QWidget):
         self.bar.finish(f"Failed: {message}")
 
     # --- plots and the recommendation ---------------------------------------------------------------
-    def plot(self, points: list[SweepPoint]) -> None:
+    def plot(self, points: list[SweepPoint], warm_up: str = "") -> None:
         """Each panel against the budget; bytes in the unit that fits (self.x / self.y give plotted values). Where
-        the sweep ran both layer splits, the whole-layer points are squares beside the spread's curve."""
+        the sweep ran both layer splits, the whole-layer points are squares beside the spread's curve. `warm_up`: the
+        sweep's answer before its first point (SweepResult.warm_up), said in the legend beside them."""
         self.scales["budget"] = byte_unit(max((p.budget_bytes for p in points), default=0))
         self.projected = uses_projection(points)
         left: list[int] = []  # the budgets the rate plot leaves out
@@ -355,7 +358,7 @@ class SweepView(QWidget):
             self.chosen[key].setData([], [])
             self.marks[key].hide()
         self.legend.setText(legend_text(self.projected, any(p.split == "whole" for p in points), left,
-                                        device_parts_line(points)))
+                                        device_parts_line(points), warm_up))
         self.legend.show()
 
     def x(self, point: SweepPoint) -> float:

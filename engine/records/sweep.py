@@ -21,8 +21,8 @@ from engine.generation import GenerationParams, LoadedModel
 from engine.offload.layer_split import SPREAD, WHOLE
 from engine.offload.planner import BudgetAboveFree, all_resident_bytes, whole_layers_held
 from engine.records.lengths import SWEEP_REPEATS
-from engine.records.scenarios import (TIER_MAPPINGS, TIER_MAPPINGS_WHY, decoded_tokens, device_parts_text,
-                                      run_scenario, scenario_turns, warm_up_answer)
+from engine.records.scenarios import (TIER_MAPPINGS, TIER_MAPPINGS_WHY, WARM_UP_TOKENS, decoded_tokens,
+                                      device_parts_text, run_scenario, scenario_turns, warm_up_answer)
 from engine.records.schema import RunRecord, decode_path_run
 from engine.units import duration_text, human_bytes
 
@@ -298,8 +298,8 @@ def _any_token(model: LoadedModel) -> int:
 def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], params: GenerationParams,
               label: str = "sweep", progress=None, cancel: threading.Event | None = None,
               on_text=None, splits: tuple[str, ...] | None = None, on_point=None, on_settle=None,
-              on_left_out=None, repeats: int = SWEEP_REPEATS,
-              length_setting: str = "answer length") -> list[SweepPoint]:
+              on_left_out=None, repeats: int = SWEEP_REPEATS, length_setting: str = "answer length",
+              on_warm_up=None) -> list[SweepPoint]:
     """`cancel` (checked between tokens) ends the sweep early: SweepCancelled, whose note, as that of anything a
     point raises, says at which point (stopped_at); the points completed before it went to `on_point`.
     `progress(fraction)` after each scenario run; `on_text(token, delta)` streams every answer; `on_settle(fraction,
@@ -314,7 +314,11 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
     the sweep ends there: the points above it would run at that budget again (under mode=required they would be
     refused, not reduced). They are left out; `on_left_out(note, count)` as the sweep finds that, before the point
     runs (`note`: which points and why). `length_setting`: the answers' length limit as the user sets it, which a
-    multiturn past the context names (run_scenario)."""
+    multiturn past the context names (run_scenario).
+
+    Before the first point the model answers once, unrecorded, at the budget it was loaded with: no point's records
+    time that answer, so `on_warm_up(budget_bytes, fraction, seconds)` says what it took at which budget and share
+    (warm_up_line)."""
     if model.offload is None:
         raise ValueError("a budget sweep needs a model loaded with offload on a device")
     if repeats < 1:
@@ -328,9 +332,16 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
     mode = model.offload.layer_split_mode
     # Warm-up, not recorded: the first point's trials (settle) would otherwise time first-call costs (measured: the
     # CPU kernel 476 µs per step at the first point against 145 µs when repeated).
-    warm_up_answer(model, cancel)
+    loaded_budget = model.offload.plan.budget_bytes
+    # (an automatic budget may be far above what every expert resident takes: a share above 100% would read as more)
+    loaded_share = min(1.0, loaded_budget / all_resident_bytes(model.offload.infos))
+    seconds = warm_up_answer(model, cancel)
     if cancel is not None and cancel.is_set():
         raise SweepCancelled("the sweep was cancelled before its first point")
+    # said here, not by a record: the first point's unrecorded answer would take it for its own, thrown away
+    model.warm_up_s = 0.0
+    if on_warm_up:
+        on_warm_up(loaded_budget, loaded_share, seconds)
     runs = 0
 
     def on_run() -> None:
@@ -380,6 +391,14 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
 
 class SweepCancelled(WorkbenchError):
     """A sweep stopped by its `cancel` event."""
+
+
+def warm_up_line(budget_bytes: int, fraction: float, seconds: float) -> str:
+    """What a sweep says of its unrecorded answer before the first point (run_sweep's on_warm_up), its budget as a
+    point's is said."""
+    return (f"warm-up before the first point, not recorded: an answer of up to {WARM_UP_TOKENS} tokens at the model's "
+            f"loaded budget, budget share {fraction:.0%} (device_expert_bytes={budget_bytes}), took "
+            f"{duration_text(seconds)}")
 
 
 def _point_name(fraction: float, budget: int, split: str | None, index: int, count: int) -> str:
