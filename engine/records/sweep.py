@@ -455,8 +455,8 @@ def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, 
     if cancel is not None and cancel.is_set():
         return None
     try:
-        warm_up = run_scenario(model, "short", GenerationParams(max_new_tokens=min(4, params.max_new_tokens)), device,
-                               cancel=cancel)
+        length = min(WARM_UP_TOKENS, params.max_new_tokens)  # the model's warm-up answer's, or the sweep's if shorter
+        warm_up = run_scenario(model, "short", GenerationParams(max_new_tokens=length), device, cancel=cancel)
     except Exception as exc:
         exc.sweep_run = "unrecorded warm-up answer"  # (a short one, whatever the scenarios)
         raise
