@@ -1,7 +1,8 @@
 """Budget sweeps: run the scenarios at several expert budgets on one loaded model (re-planned,
-not reloaded) and recommend, of the points within a margin of the best, the one with the least device peak. With
-`splits`, each budget that holds some but not all expert layers whole is run with the budget spread over every layer
-and on whole layers (engine/offload/layer_split.py), fixed for the point.
+not reloaded) and recommend, of the points within a margin of the fastest or tied with it (their repeats' spreads
+overlap), the one with the least device peak (recommendation). With `splits`, each budget that holds some but not all
+expert layers whole is run with the budget spread over every layer and on whole layers (engine/offload/layer_split.py),
+fixed for the point.
 
 After each re-plan the engine tries its ways (the decode path, the CPU's share under "both", the layer split:
 trials.py) for up to ~200 decode steps, more than a sweep's answers give: a point's answers would time the ways tried,
