@@ -31,6 +31,8 @@ from engine.units import duration_text, human_bytes
 @dataclass
 class SweepPoint:
     budget_bytes: int
+    # the budget's share of what every expert resident takes, in bytes (the table's "budget share"), not a share of
+    # the experts: resident_share counts those
     fraction: float
     records: list[RunRecord] = field(default_factory=list)  # the runs, repeat by repeat: each repeat every scenario
     split: str | None = None  # the layer split the point ran with, where the sweep compared splits
