@@ -272,9 +272,10 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
 
 
 def _settle(model: LoadedModel, cancel: threading.Event | None) -> tuple[float, float]:
-    """What runs before a timed run, off its clock and its statistics: (the seconds settling took, those of the
-    model's warm-up answer where no record has said them yet, given here where the model has given none (side by side
-    and a sweep give it before), else 0)."""
+    """What runs before a timed run, off its clock and its statistics. Returns the seconds settling took, and the
+    warm-up seconds this record says (model.warm_up_s, then 0 for the records after it): the model's warm-up answer's,
+    given here where the model has given none or before by side by side; a sweep point's unrecorded answer's, for the
+    point's first record; else 0 (a sweep says its answer before the first point itself: run_sweep's on_warm_up)."""
     # a model loaded a moment ago (side-by-side's B, a sweep's first point) still maps its experts in the background;
     # the CPU kernels are compiled (a first run on this machine) and the automatic thread count follows the other
     # processes' load before the clock starts
@@ -296,7 +297,7 @@ def warm_up_answer(model: LoadedModel, cancel: threading.Event | None = None) ->
     started = time.perf_counter()
     Conversation(model).send(scenario_turns("short", model.tokenizer, model.config, WARM_UP_TOKENS)[0],
                              GenerationParams(max_new_tokens=WARM_UP_TOKENS), cancel=cancel)
-    model.warm_up_s = time.perf_counter() - started  # the next record says it
+    model.warm_up_s = time.perf_counter() - started  # the next record says it (a sweep says its own instead)
     return model.warm_up_s
 
 
