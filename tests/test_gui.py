@@ -2078,6 +2078,40 @@ def test_a_records_job_stopped_while_it_waits_in_the_queue_is_not_run(qtbot, win
     assert began == ["recording", ""] and window.scenarios.result.saved
 
 
+def test_stop_of_a_records_job_the_window_has_not_seen_begin_reaches_that_job_alone(qtbot, window):
+    """A records job the worker had begun, stopped before the window heard so, was stopped by the worker's stop flag
+    once the window heard it begin: where the job had ended by then, the flag stopped whatever the worker ran next. The
+    stop now reaches the job alone, by its number: the job ends at its first stop point, and what runs next is not
+    stopped."""
+    load(qtbot, window, fixture_folder("lfm2moe"))
+    began, gate, ran, heard, stopped = threading.Event(), threading.Event(), threading.Event(), threading.Event(), []
+
+    def hold_as_it_begins(activity: str) -> None:  # the worker, having begun the job, waits before it runs it
+        if activity == "recording":
+            began.set()
+            gate.wait(30)
+
+    def next_one() -> None:  # what the worker runs after the job: clears the flag as it begins, ends where it is set
+        window.worker.cancel.clear()
+        ran.set()
+        heard.wait(30)
+        stopped.append(window.worker.cancel.is_set())
+
+    window.worker.busyChanged.connect(hold_as_it_begins, Qt.ConnectionType.DirectConnection)
+    window.scenarios.bar.run_button.click()
+    assert began.wait(30) and window.busy == ""  # (the window's own slot has not run)
+    window.scenarios.bar.cancel_button.click()
+    QTimer.singleShot(0, window.worker, next_one)
+    gate.set()
+    assert ran.wait(WAIT / 1000)  # the job has ended, before the window hears it began
+    qtbot.waitUntil(lambda: not (window.busy or window._waiting), timeout=WAIT)
+    heard.set()
+    qtbot.waitUntil(lambda: bool(stopped), timeout=WAIT)
+    assert stopped == [False]
+    assert window.scenarios.bar.status.text() == "Cancelled before the first run began; nothing saved."
+    assert window.scenarios.result.saved == [] and window.status_state.text() == "Stopped the scenario runs."
+
+
 def test_open_recent_is_off_while_open_is(qtbot, window):
     """File > Open recent stayed on while the window was busy, Open off: a folder chosen from it then was opened
     after what ran (the load), over the folder that load had just shown. It is on where Open is."""

@@ -8,8 +8,9 @@ before it began (the window numbers them: options["request"]) is not run; one th
 meanwhile ends at its first token. A load stopped before the window saw it begin (numbered too:
 settings["request"]) stops at its next stop point, before the loaded model goes where it has not gone yet (that model
 stays), and stops nothing else: the stop flag would stop whatever ran ahead of it. A records job
-stopped before the window saw it begin (numbered too) is not run. Any engine error becomes a `failed` message; the
-worker stays usable.
+stopped before the window saw it begin (numbered too) is not run; one the worker began meanwhile ends at its first
+stop point (_JobStop), the flag left alone likewise. Any engine error becomes a `failed` message; the worker stays
+usable.
 """
 
 from __future__ import annotations
@@ -540,7 +541,7 @@ class EngineWorker(QObject):
     @Slot(str, object, int)
     def _job(self, kind: str, job, request: int = 0) -> None:
         """Run a records job on the loaded model in this thread, so it never overlaps a load, an
-        answer or a re-plan. Stop (self.cancel) reaches it between tokens."""
+        answer or a re-plan. Stop (self.cancel, or its number as stopped_job: _JobStop) reaches it between tokens."""
         if request and request == self.stopped_job:  # stopped while it waited behind what ran: not run
             self.jobSkipped.emit(kind)
             return
@@ -549,7 +550,8 @@ class EngineWorker(QObject):
         trials = _trials(self._model)
         try:
             context = JobContext(
-                model=self._model, device=self._device, device_choice=dict(self._device_choice), cancel=self.cancel,
+                model=self._model, device=self._device, device_choice=dict(self._device_choice),
+                cancel=_JobStop(self, request),
                 progress=lambda fraction, text="": self.jobProgress.emit(
                     kind, None if fraction is None else float(fraction), text),
                 stream=lambda payload: self.jobStreamed.emit(kind, payload),
@@ -591,6 +593,20 @@ class EngineWorker(QObject):
         self._drop_model()
         if had:
             self.unloaded.emit()
+
+
+class _JobStop:
+    """A records job's stop (JobContext.cancel), read where it can end (between tokens, phases and scenarios): the
+    worker's stop flag, which Stop sets for what runs, or the job's number as stopped_job, the window's stop of a job
+    it has not seen begin, which reaches that job alone (the flag, set once the window heard the job begin, would stop
+    whatever the worker ran next where the job had ended by then)."""
+
+    def __init__(self, worker: EngineWorker, request: int):
+        self._worker = worker
+        self._request = request  # 0: not numbered (a job the window did not send)
+
+    def is_set(self) -> bool:
+        return self._worker.cancel.is_set() or (self._request != 0 and self._request == self._worker.stopped_job)
 
 
 def _offload_mode(model) -> str | None:

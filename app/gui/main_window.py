@@ -244,7 +244,7 @@ class MainWindow(QMainWindow):
         # the answer lengths kept in the settings beside the chat's (its options hold its own)
         self.answer_lengths = {"side_by_side": self.side_by_side.max_tokens, "record": self.scenarios.max_tokens,
                                "contention": self.contention_view.max_tokens, "sweep": self.sweep.max_tokens}
-        # the load or records job stopped while queued (_stop_queued): the stop flag is set as the window sees it begin
+        # the load or records job stopped while queued (_stop_queued): its stop is said as the window sees it begin
         self._cancel_when_started: str | None = None
         # the load or records job sent to the worker that it has not started yet: the window is busy with it already
         self._waiting: str | None = None
@@ -825,10 +825,10 @@ class MainWindow(QMainWindow):
 
     def _stop_queued(self) -> None:
         """Stop the load or records job the window sent but has not seen begin. Still queued, it does not run: a load
-        reads no folder (EngineWorker.stopped_load), a records job is skipped (EngineWorker.stopped_job). A load the
+        reads no folder (EngineWorker.stopped_load), a records job is skipped (EngineWorker.stopped_job). One the
         worker began meanwhile stops at its next stop point, its number reaching it alone (the stop flag would stop
-        what runs ahead of it too), before it drops the loaded model where it has not yet; a records job by the stop
-        flag, once the window hears it began (_on_busy)."""
+        what runs ahead of it too, or what runs after it where it had ended by the time the window heard it began): a
+        load before it drops the loaded model where it has not yet."""
         self._cancel_when_started = self._waiting
         if self._waiting == "loading":
             self.worker.stopped_load = self._loads
@@ -972,9 +972,7 @@ class MainWindow(QMainWindow):
         if activity in (*JOB_LABELS, "loading", "opening"):
             if self._waiting == activity:
                 self._waiting = None
-            if self._cancel_when_started == activity:
-                if activity != "loading":  # (a load stops by its number: _stop_queued)
-                    self.worker.cancel.set()
+            if self._cancel_when_started == activity:  # (stopped by its number: _stop_queued)
                 self._stopping = STOPPABLE[activity]  # said as it ends, as for one stopped while it ran
             self._cancel_when_started = None
         self._update_state()

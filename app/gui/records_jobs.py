@@ -1,11 +1,11 @@
 """The record views' work, run in the engine worker's thread (EngineWorker._job) so it never overlaps
 a load, an answer or a re-plan: scenario runs, budget sweeps, side-by-side answers, the contention
 test. No widgets here: a job takes a JobContext, reports progress through it and returns plain
-results the views show. Cancel is the worker's threading.Event: answers end at the next token."""
+results the views show. Cancel is the worker's stop (its threading.Event, or the job's number stopped): answers end
+at the next token."""
 
 from __future__ import annotations
 
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -43,7 +43,7 @@ class JobContext:
     model: Any                                  # the worker's LoadedModel, or None
     device: Any                                 # where its resident experts live, or None (CPU)
     device_choice: dict                         # the Budgets panel's device choice it was loaded with
-    cancel: threading.Event
+    cancel: Any                                 # is_set(): stopped (a threading.Event, or EngineWorker._JobStop)
     progress: Callable[..., None]               # progress(fraction, text); fraction None: how far cannot be told
     stream: Callable[[object], None]            # a batch of streamed text, in the job's own shape
     # make_device(choice, config, notes): the device for a choice, or None (CPU), a note appended to `notes` where a
