@@ -849,6 +849,25 @@ def test_an_experts_tooltip_counts_one_hit_one_miss_and_one_routed_token_in_the_
         assert lines == expected
 
 
+def test_a_layers_hit_rate_counts_one_hit_and_one_miss_in_the_singular(qapp):
+    """A layer routed once to the device and once not read 'Layer 0: 1 hits, 1 misses (50% hit rate)' in its
+    tooltips (its cells' and the rows' beside the grid), and the summary '(1 hits, 1 misses)'."""
+    from app.gui.placement_view import PlacementView, hit_rate_text
+
+    view = PlacementView()
+    stats = {"resident": np.array([[True, False]]), "traffic": np.ones((1, 2)), "valid": np.ones((1, 2), bool),
+             "placement": "adaptive", "layer_names": ["a/QMoE"], "layer_index": [0], "bytes_per_expert": [1024],
+             "layers": [{"hits": 1, "misses": 1, "swaps": 1, "fills": 1}]}
+    view.set_stats(stats)
+    assert hit_rate_text(stats, 0) == "Layer 0: 1 hit, 1 miss (50% hit rate), 1 slot filled, 1 swap"
+    assert hit_rate_text(stats, 0) in view.heatmap.tooltip_at(0, 0).splitlines()
+    assert "hit rate since load 50% (1 hit, 1 miss)" in view.summary.text()
+    stats["layers"][0].update(hits=2, misses=3)
+    view.set_stats(stats)
+    assert hit_rate_text(stats, 0) == "Layer 0: 2 hits, 3 misses (40% hit rate), 1 slot filled, 1 swap"
+    assert "hit rate since load 40% (2 hits, 3 misses)" in view.summary.text()
+
+
 def test_the_placement_summary_counts_every_miss_and_the_legend_follows_the_mode(qapp):
     from app.gui.chat_panel import miss_split_text
     from app.gui.placement_view import PlacementView
@@ -2811,7 +2830,8 @@ def test_every_row_beside_the_grid_has_a_tooltip_with_its_layer_and_hit_rate(qtb
 
     numbers, rates = heatmap.LEFT / 2, heatmap.LEFT + cells * cw + heatmap.RIGHT / 2
     for x, row in ((numbers, 1), (rates, 2), (numbers, 47), (rates, 45)):  # rows drawn without a label
-        assert tooltip(x, row) == (f"Layer {row}: {row} hits, {100 - row} misses ({row}% hit rate), 0 slots filled, "
+        hits = "1 hit" if row == 1 else f"{row} hits"
+        assert tooltip(x, row) == (f"Layer {row}: {hits}, {100 - row} misses ({row}% hit rate), 0 slots filled, "
                                    f"0 swaps\n/model/layers.{row}/moe/QMoE")
     assert tooltip(numbers, 3) == "Layer 3: no hits or misses yet\n/model/layers.3/moe/QMoE"
     assert tooltip(heatmap.LEFT + 1, 2).startswith("Layer 2, expert 0: ")  # a cell's own, as before

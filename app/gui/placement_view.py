@@ -333,8 +333,9 @@ def hit_rate_text(data: dict, row: int) -> str:
     total = stats.get("hits", 0) + stats.get("misses", 0)
     if not total:
         return ""
-    return (f"Layer {data['layer_index'][row]}: {stats['hits']} hits, {stats['misses']} misses "
-            f"({stats['hits'] / total:.0%} hit rate), " + placements_text(stats.get("fills", 0), stats.get("swaps", 0)))
+    return (f"Layer {data['layer_index'][row]}: {counted(stats['hits'], 'hit')}, "
+            f"{counted(stats['misses'], 'miss', 'misses')} ({stats['hits'] / total:.0%} hit rate), "
+            + placements_text(stats.get("fills", 0), stats.get("swaps", 0)))
 
 
 def split_table(data: dict, row: int) -> dict | None:
@@ -693,7 +694,8 @@ class PlacementView(QWidget):
             return
         parts = [slots_text(data)]
         if hits + misses:
-            parts.append(f"hit rate since load {hits / (hits + misses):.0%} ({hits} hits, {misses} misses)")
+            parts.append(f"hit rate since load {hits / (hits + misses):.0%} "
+                         f"({counted(hits, 'hit')}, {counted(misses, 'miss', 'misses')})")
         self.split = dict(data.get("misses") or {})
         steps = data.get("step_splits") or []
         self.last_step = tuple(steps[-1]) if steps else None
