@@ -1105,6 +1105,22 @@ def test_the_vram_graph_says_the_drivers_own_memory_apart_from_other_processes(q
     assert "others 1.00" not in header
 
 
+def test_the_host_memory_graph_says_its_others_hold_the_kernels_own_memory(qtbot):
+    """The host memory header's 'others 7.0' is all that is neither available nor this process's: the kernel's own
+    memory (page tables, slab, buffers) is in it beside other processes'. It is said so, the number kept."""
+    from app.gui.graphs_panel import GraphsPanel
+
+    graphs = GraphsPanel()
+    qtbot.addWidget(graphs)
+    graphs.show()
+    graphs.add_sample({"t": 1.0, "wall": 0.0, "cpu_per_core": [50.0], "cpu_total": 50.0, "others_cpu_cores": 0.0,
+                       "ram_total": 16 << 30, "ram_available": 8 << 30, "ram_this": 1 << 30, "ram_others": 7 << 30,
+                       "gpu": None, "gpu_note": "no NVIDIA GPU"})
+    header = graphs.ram_plot.header.text()
+    assert "this process 1.00" in header and "other processes and the kernel 7.0" in header
+    assert "others 7.0" not in header and "available 8.0 of 16.0 GiB" in header
+
+
 def test_a_failing_sampler_says_so_once_and_a_working_sample_clears_it(qapp):
     """psutil raising on every tick left the graphs at 'waiting for the first sample…' with no word: the failure is
     reported once, in one line naming it, and the graphs' note goes when a sample comes."""

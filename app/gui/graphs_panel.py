@@ -306,9 +306,10 @@ class GraphsPanel(QWidget):
         self.curves["ram_used"].setData(x, ram_this + ram_others)
         self.curves["ram_total"].setData(x, ram_total)
         last = samples[-1]
+        # (all that is neither available nor this process's: the kernel's own page tables, slab and buffers are in it)
         self.ram_plot.header.setText(
             _title("Host memory", [(t.accent, f"this process {last['ram_this'] / GIB:.2f}"),
-                                   (t.others, f"others {last['ram_others'] / GIB:.1f}"),
+                                   (t.others, f"other processes and the kernel {last['ram_others'] / GIB:.1f}"),
                                    (t.muted, f"available {last['ram_available'] / GIB:.1f} of {last['ram_total'] / GIB:.1f} GiB")], t))
         # scaled to what is used (the total is in the header): a 23 GiB axis would flatten a model's growth
         used_peak = float((ram_this + ram_others).max()) if len(ram_this) else 0.1

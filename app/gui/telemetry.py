@@ -1,6 +1,6 @@
 """The machine, sampled once a second in a small thread of its own (napari's status_checker shape).
 
-CPU per core and in total, host memory (this process, other processes, available) and the busiest
+CPU per core and in total, host memory (this process, other processes and the kernel, available) and the busiest
 other processes through psutil; the GPU through NVML (nvidia-ml-py): memory used by this process
 and by others (per process where the driver tells), free memory and utilisation. Without an
 NVIDIA GPU the sample carries `gpu: None` and a `gpu_note` saying why, so the graphs can say so
