@@ -768,6 +768,8 @@ def _cmd_write_model(args) -> int:
         path = write_model(args.folder, spec)
     except ValueError as exc:
         raise WorkbenchError(_as_options(str(exc).removeprefix("WriterSpec: "), WRITER_OPTIONS)) from None
+    except OSError as exc:  # a file where one of its folders is to be, a folder this user cannot write, a full disk
+        raise WorkbenchError(f"{folder}: not written ({not_written(exc, exc.filename or folder)})") from None
     print(path)
     return 0
 

@@ -428,6 +428,29 @@ def test_write_model_keeps_what_a_folder_holds_unless_forced(tmp_path, capsys):
         "model.onnx: a file, not a folder")
 
 
+def test_write_model_says_in_one_line_where_the_folder_cannot_be_made_or_written(tmp_path, capsys, monkeypatch):
+    """A folder under a file, or a disk that fills while the weights are written, ended in an internal error (the
+    OSError's type and errno): each is the user's to fix, said in one line naming the folder, the partial data
+    removed."""
+    import errno
+
+    import engine.writer.write
+
+    small = ("--layers", "1", "--hidden", "64", "--experts", "4", "--intermediate", "64")
+    (tmp_path / "notes.txt").write_text("a file")
+    under_a_file = tmp_path / "notes.txt" / "model"
+    status, _out, err = _main(capsys, "write-model", str(under_a_file), *small)
+    assert status == 2 and err == f"moe-workbench: error: {under_a_file}: not written (Not a directory)\n"
+
+    def full(file, *_args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), file.name)
+
+    monkeypatch.setattr(engine.writer.write, "write_tensors", full)
+    status, _out, err = _main(capsys, "write-model", str(tmp_path / "model"), *small)
+    assert status == 2 and err == f"moe-workbench: error: {tmp_path / 'model'}: not written (No space left on device)\n"
+    assert not (tmp_path / "model" / "model.onnx.data.partial").exists()
+
+
 def test_write_model_says_which_layout_options_its_quant_type_does_not_use(tmp_path, capsys):
     """--bits and --block-size with fp4 (MXFP4's block is 32) or --nvfp4-packing with int experts were taken in
     silence: the folder held another layout than the options read. Each is said to do nothing there."""
