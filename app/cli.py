@@ -55,15 +55,15 @@ def _build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command")
 
     gui = commands.add_parser("gui", help="open the window (the default with no command)")
-    gui.add_argument("model", nargs="?", help="model folder to open (default: the demo model)")
+    gui.add_argument("model", nargs="?", type=path_given, help="model folder to open (default: the demo model)")
 
     inspect = commands.add_parser("inspect", help="list every expert node, its layout and bytes, and whether it runs")
-    inspect.add_argument("model", help=MODEL_HELP)
+    inspect.add_argument("model", type=path_given, help=MODEL_HELP)
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
     _add_device_arguments(inspect)
 
     gen = commands.add_parser("generate", help="generate text for a prompt")
-    gen.add_argument("model", help=MODEL_HELP)
+    gen.add_argument("model", type=path_given, help=MODEL_HELP)
     gen.add_argument("--prompt", required=True, help="the (first) user message")
     mode = gen.add_mutually_exclusive_group()
     mode.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
@@ -88,7 +88,7 @@ def _build_parser() -> argparse.ArgumentParser:
                      "timings, dense (and offload with --device simulated or cuda, --offload or --config)")
 
     record = commands.add_parser("record", help="run measured scenarios and save resource records")
-    record.add_argument("model", help=MODEL_HELP)
+    record.add_argument("model", type=path_given, help=MODEL_HELP)
     record.add_argument("--scenario", choices=["short", "long", "multiturn", "all"], default="short",
                         help=_scenario_all_help("the run; the runs before it are saved"))
     record.add_argument("--max-new-tokens", type=at_least(1), help=_answer_length_help(
@@ -97,11 +97,11 @@ def _build_parser() -> argparse.ArgumentParser:
     record.add_argument("--label", default="", help="a name for these runs, shown by history and matched by its "
                         "--label")
     record.add_argument("--json", action="store_true", help="print the records as JSON")
-    record.add_argument("--history", help="SQLite history file (default: the user's data folder)")
+    record.add_argument("--history", type=path_given, help="SQLite history file (default: the user's data folder)")
     _add_device_arguments(record)
 
     sweep = commands.add_parser("sweep", help="run scenarios across expert budgets and recommend one")
-    sweep.add_argument("model", help=MODEL_HELP)
+    sweep.add_argument("model", type=path_given, help=MODEL_HELP)
     sweep.add_argument("--points", type=at_least(2), default=5, help="budgets tried, from none to every expert "
                        "(default 5)")
     sweep.add_argument("--scenario", choices=["short", "long", "multiturn", "all"], default="short",
@@ -118,7 +118,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--margin", type=float, default=0.10, help="of the budgets within this fraction of "
                        "the fastest completion time (default 0.10) or tied with it, recommend the one with the least "
                        "device peak (of equal peaks the smaller budget)")
-    sweep.add_argument("--plot", help="write the sweep plot here (.png or .svg)")
+    sweep.add_argument("--plot", type=path_given, help="write the sweep plot here (.png or .svg)")
     sweep.add_argument("--save-as", type=configuration_name, metavar="NAME",
                        help="save the recommendation as a named configuration")
     sweep.add_argument("--both-splits", action="store_true",
@@ -126,7 +126,7 @@ def _build_parser() -> argparse.ArgumentParser:
                             "every layer and on whole layers (the layer split), and recommend across both")
     sweep.add_argument("--json", action="store_true", help="print the warm-up before the first point, the points and "
                        "the recommendation as one JSON object")
-    sweep.add_argument("--history", help="SQLite history file (default: the user's data folder)")
+    sweep.add_argument("--history", type=path_given, help="SQLite history file (default: the user's data folder)")
     _add_device_arguments(sweep)
 
     history = commands.add_parser("history", help="list or export saved run records")
@@ -139,13 +139,13 @@ def _build_parser() -> argparse.ArgumentParser:
     history.add_argument("--export", choices=["json", "csv", "markdown"], help="print the records in this format")
     history.add_argument("--json", action="store_const", const="json", dest="export",
                          help="the same as --export json (as the other commands' --json)")
-    history.add_argument("--history", help="SQLite history file (default: the user's data folder)")
+    history.add_argument("--history", type=path_given, help="SQLite history file (default: the user's data folder)")
 
     contention = commands.add_parser("contention", help="document indexing alone, inference alone, then both")
-    contention.add_argument("model", help=MODEL_HELP)
+    contention.add_argument("model", type=path_given, help=MODEL_HELP)
     contention.add_argument("--workers", type=at_least(1, MAX_WORKERS), default=2,
                             help=f"indexing worker processes (default 2, at most {MAX_WORKERS})")
-    contention.add_argument("--corpus", help="folder of .txt files (default: a generated corpus)")
+    contention.add_argument("--corpus", type=path_given, help="folder of .txt files (default: a generated corpus)")
     contention.add_argument("--scenario", choices=["short", "long", "multiturn"], default="short",
                             help=SCENARIO_HELP + " (default short)")
     contention.add_argument("--max-new-tokens", type=at_least(1), help=_answer_length_help(
@@ -156,7 +156,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_device_arguments(contention)
 
     write = commands.add_parser("write-model", help="write a random-weight model folder in the builder's format")
-    write.add_argument("folder", help="a new or empty folder (see --force)")
+    write.add_argument("folder", type=path_given, help="a new or empty folder (see --force)")
     write.add_argument("--force", action="store_true", help="write into a folder that holds files already, replacing "
                        "the model files there")
     write.add_argument("--layers", type=int, default=2, help="decoder layers, each with an expert node (default 2)")
@@ -216,6 +216,14 @@ def size_at_least(minimum: int):
             raise argparse.ArgumentTypeError(f"{text}: must be a size of at least {human_bytes(minimum)}")
         return value
     return size
+
+
+def path_given(text: str) -> str:
+    """An argparse type: a path, not empty (a script's unset variable): an empty model folder was the current folder,
+    and an empty --plot, --history or --corpus was taken for none given, silently."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path names no file or folder")
+    return text
 
 
 def configuration_name(text: str) -> str:

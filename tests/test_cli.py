@@ -539,6 +539,28 @@ def test_an_empty_configuration_name_is_refused_not_ignored(tmp_path, capsys):
     assert not (tmp_path / "h.sqlite").exists()
 
 
+def test_an_empty_path_is_refused_not_taken_for_the_current_folder_or_none(tmp_path, capsys, monkeypatch):
+    """An empty path (a script's unset variable) was the current folder to `inspect ""` ("./genai_config.json:
+    missing") and to `write-model "" --force`, which replaced a model there; `gui ""` opened the demo model, `--plot
+    ""` ran the whole sweep and drew nothing, `--history ""` and `--corpus ""` used the defaults: all without a word.
+    Each is refused as the options are read, naming the argument."""
+    gptoss = str(fixture_folder("gptoss"))
+    monkeypatch.chdir(tmp_path)
+    history = str(tmp_path / "h.sqlite")
+    for args, argument in ((("gui", ""), "model"), (("inspect", " "), "model"),
+                           (("generate", "", "--prompt", "Hi"), "model"), (("write-model", "", "--force"), "folder"),
+                           (("record", gptoss, "--history", ""), "--history"),
+                           (("history", "--history", ""), "--history"),
+                           (("sweep", gptoss, "--device", "simulated", "--history", history, "--plot", ""), "--plot"),
+                           (("contention", gptoss, "--corpus", ""), "--corpus")):
+        with pytest.raises(SystemExit) as exit:
+            _main(capsys, *args)
+        assert exit.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1] == (f"moe-workbench {args[0]}: error: argument {argument}: an "
+                                                            "empty path names no file or folder")
+    assert list(tmp_path.iterdir()) == []  # nothing written, no history made
+
+
 def test_contention_checks_its_corpus_before_the_model_loads(tmp_path, capsys, monkeypatch):
     """A corpus folder that is not there (or holds no .txt file) was found only once the model had loaded: minutes on
     a large one. It is refused first, in one line naming the folder."""
