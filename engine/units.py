@@ -67,13 +67,14 @@ def duration_text(seconds: float) -> str:
 
 def parse_bytes(text: str) -> int | None:
     """'1.5 GiB', '512M', '1000000' -> bytes; 'auto' / '' -> None. Raises ValueError otherwise."""
-    text = text.strip().lower()
+    given = text.strip()  # (the errors name it as typed)
+    text = given.lower()
     if text in ("", "auto", "none"):
         return None
     match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", text)
     if not match or match.group(2) not in _UNITS:
-        raise ValueError(f"'{text}' is not a size (e.g. 512 MiB, 1.5 GiB)")
+        raise ValueError(f"'{given}' is not a size (e.g. 512 MiB, 1.5 GiB)")
     count = int(Decimal(match.group(1)) * _UNITS[match.group(2)])  # exact: a double loses bytes past 2**53
     if count > UINT64_MAX:
-        raise ValueError(f"'{text}' is more than {UINT64_MAX} bytes, the most a setting takes")
+        raise ValueError(f"'{given}' is more than {UINT64_MAX} bytes, the most a setting takes")
     return count

@@ -2375,6 +2375,9 @@ def test_the_simulated_cards_size_takes_units_as_the_window_does(cli):
         run = cli("inspect", str(fixture_folder("gptoss")), "--device", "simulated", "--simulated-vram", given)
         assert run.returncode == 0 and run.stderr == "" and card in run.stdout, (given, run.stdout)
     for given, why in (("lots", "'lots' is not a size (e.g. 512 MiB, 1.5 GiB)"),
+                       ("8GiBs", "'8GiBs' is not a size (e.g. 512 MiB, 1.5 GiB)"),  # as typed, not '8gibs'
+                       ("20000000 TiB", "'20000000 TiB' is more than 18446744073709551615 bytes, the most a setting "
+                                        "takes"),
                        ("512K", "512K: must be a size of at least 1.0 MiB"),
                        # 8 meaning 8 GiB, or 1.5 GB unquoted, whose unit the shell gives argparse apart
                        ("8", "8: a number without a unit is bytes; a size here is at least 1.0 MiB (8GiB, 512MiB)"),

@@ -642,7 +642,7 @@ def test_a_typed_size_is_exact_and_within_what_onnxruntime_takes():
     as it was and written to the settings."""
     assert parse_bytes("9007199254740993") == 9007199254740993
     assert parse_bytes("18446744073709551615") == 2**64 - 1 and parse_bytes("0.1 KiB") == 102
-    with pytest.raises(ValueError, match=r"^'20000000 tib' is more than 18446744073709551615 bytes, the most a "
+    with pytest.raises(ValueError, match=r"^'20000000 TiB' is more than 18446744073709551615 bytes, the most a "
                                          r"setting takes$"):
         parse_bytes("20000000 TiB")
 
