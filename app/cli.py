@@ -325,7 +325,7 @@ def _offload_setup(args, fallback: list[str] | None = None, needs_device: str = 
     given = {}
     for item in args.offload:
         key, eq, value = item.partition("=")
-        if not eq:
+        if not eq or not key:  # (without a key: "unknown offload key ''" and every key listed)
             raise WorkbenchError(f"--offload {item!r}: expected KEY=VALUE")
         # the value as given: onnxruntime refuses spaces around it, and OffloadConfig says so
         if key in ("layer_split", "decode_path"):  # a side-by-side B's settings take them beside the keys

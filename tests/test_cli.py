@@ -539,6 +539,14 @@ def test_an_empty_configuration_name_is_refused_not_ignored(tmp_path, capsys):
     assert not (tmp_path / "h.sqlite").exists()
 
 
+def test_an_offload_setting_without_its_key_or_value_says_the_form_it_takes(capsys):
+    """`--offload =5` (the key left out) was "unknown offload key ''" followed by every key there is."""
+    gptoss = str(fixture_folder("gptoss"))
+    for item in ("=5", "device_expert_bytes", "="):
+        status, _out, err = _main(capsys, "inspect", gptoss, "--device", "simulated", "--offload", item)
+        assert status == 2 and err == f"moe-workbench: error: --offload '{item}': expected KEY=VALUE\n"
+
+
 def test_an_empty_path_is_refused_not_taken_for_the_current_folder_or_none(tmp_path, capsys, monkeypatch):
     """An empty path (a script's unset variable) was the current folder to `inspect ""` ("./genai_config.json:
     missing") and to `write-model "" --force`, which replaced a model there; `gui ""` opened the demo model, `--plot
