@@ -748,7 +748,9 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_write_model(args) -> int:
-    from engine.writer import WriterSpec, write_model
+    import shutil
+
+    from engine.writer import WriterSpec, model_data_bytes, write_model
 
     folder = Path(args.folder)
     if folder.exists() and not folder.is_dir():
@@ -773,6 +775,13 @@ def _cmd_write_model(args) -> int:
                           head_size=args.head_size, zero_points=args.zero_points, dtype=args.dtype, seed=args.seed,
                           quant_type=args.quant_type, prepacked=args.prepacked, activation=args.activation,
                           sliding_window=args.sliding_window, context_length=args.context_length, **layout)
+        # the disk checked first: a size mistyped (--experts 320 for 32) filled it for an hour, then failed
+        weights = model_data_bytes(spec)
+        there = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
+        free = shutil.disk_usage(there).free
+        if weights > free:
+            raise WorkbenchError(f"{folder}: not written: its weights take {human_bytes(weights)}, more than the "
+                                 f"{human_bytes(free)} free on the disk there")
         path = write_model(args.folder, spec)
     except ValueError as exc:
         raise WorkbenchError(_as_options(str(exc).removeprefix("WriterSpec: "), WRITER_OPTIONS)) from None

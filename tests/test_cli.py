@@ -451,6 +451,27 @@ def test_write_model_says_in_one_line_where_the_folder_cannot_be_made_or_written
     assert not (tmp_path / "model" / "model.onnx.data.partial").exists()
 
 
+def test_write_model_refuses_weights_larger_than_the_disk_has_free_before_writing(tmp_path, capsys, monkeypatch):
+    """A size mistyped (--experts 320 for 32: 112 GiB of weights) was written until the disk filled, an hour on, then
+    failed. The weights' size is checked against the disk's free space first."""
+    import shutil
+
+    from engine.writer import WriterSpec, model_data_bytes
+
+    small = ("--layers", "1", "--hidden", "64", "--experts", "4", "--intermediate", "64")
+    weights = model_data_bytes(WriterSpec(layers=1, hidden_size=64, num_experts=4, inter_size=64))
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: usage._replace(free=weights - 1))
+    status, _out, err = _main(capsys, "write-model", str(tmp_path / "model"), *small)
+    assert status == 2 and err == (f"moe-workbench: error: {tmp_path / 'model'}: not written: its weights take "
+                                   f"{human_bytes(weights)}, more than the {human_bytes(weights - 1)} free on the disk "
+                                   "there\n")
+    assert not (tmp_path / "model").exists()
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: usage._replace(free=weights))
+    assert _main(capsys, "write-model", str(tmp_path / "model"), *small)[0] == 0
+    assert (tmp_path / "model" / "model.onnx.data").stat().st_size == weights
+
+
 def test_write_model_says_which_layout_options_its_quant_type_does_not_use(tmp_path, capsys):
     """--bits and --block-size with fp4 (MXFP4's block is 32) or --nvfp4-packing with int experts were taken in
     silence: the folder held another layout than the options read. Each is said to do nothing there."""
