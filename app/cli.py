@@ -1276,8 +1276,20 @@ def require_onnxruntime() -> None:
         raise WorkbenchError(BROKEN_ONNXRUNTIME.format(one_line(exc))) from None
 
 
+def _negative_sizes_attached(argv: list[str]) -> list[str]:
+    """`--simulated-vram -8GiB` as `--simulated-vram=-8GiB`: argparse takes a value that starts with '-' and is no
+    plain number for an option, and refused the size with "expected one argument", naming neither it nor its fault."""
+    attached = []
+    for arg in argv:
+        if attached and attached[-1] == "--simulated-vram" and re.fullmatch(r"-[0-9.]+ *[A-Za-z]+", arg):
+            attached[-1] += f"={arg}"
+        else:
+            attached.append(arg)
+    return attached
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    args = _build_parser().parse_args(_negative_sizes_attached(sys.argv[1:] if argv is None else argv))
     command = args.command or "gui"
     if args.command is None:
         args.model = None

@@ -2405,6 +2405,8 @@ def test_the_simulated_cards_size_takes_units_as_the_window_does(cli):
         assert run.returncode == 0 and run.stderr == "" and card in run.stdout, (given, run.stdout)
     for given, why in (("lots", "'lots' is not a size (e.g. 512 MiB, 1.5 GiB)"),
                        ("8GiBs", "'8GiBs' is not a size (e.g. 512 MiB, 1.5 GiB)"),  # as typed, not '8gibs'
+                       # not taken for an option ("expected one argument")
+                       ("-8GiB", "'-8GiB' is not a size (e.g. 512 MiB, 1.5 GiB)"),
                        ("20000000 TiB", "'20000000 TiB' is more than 18446744073709551615 bytes, the most a setting "
                                         "takes"),
                        ("512K", "512K: must be a size of at least 1.0 MiB"),
