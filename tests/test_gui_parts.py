@@ -1066,20 +1066,27 @@ def test_a_model_on_the_cuda_gpu_without_nvml_is_not_said_to_have_no_gpu(qtbot):
                                       "utilisation graphs appear on a machine with one.")
 
 
-def test_where_the_driver_hides_whose_vram_is_whose_this_process_is_not_said_to_hold_none(qtbot, monkeypatch):
-    """A driver (or a container) that hides per-process memory: the VRAM header read 'this process 0.00' beside
-    'others 30.00 (ours included ...)', a wrong number for a model holding most of the 30 GiB."""
-    import engine.nvml as nvml
+def _graphs_after_one_sample(qtbot, gpu, gpu_note):
+    """The graphs panel, shown, after one sample of a host with 16 GiB (8 available, 1 this process's, 7 others')."""
     from app.gui.graphs_panel import GraphsPanel
-    from tests.test_nvml import FakeNvml
 
-    monkeypatch.setattr(nvml, "pynvml", FakeNvml([(os.getpid(), 0)], hide_per_process=True))
     graphs = GraphsPanel()
     qtbot.addWidget(graphs)
     graphs.show()
     graphs.add_sample({"t": 1.0, "wall": 0.0, "cpu_per_core": [50.0], "cpu_total": 50.0, "others_cpu_cores": 0.0,
                        "ram_total": 16 << 30, "ram_available": 8 << 30, "ram_this": 1 << 30, "ram_others": 7 << 30,
-                       "gpu": nvml.Nvml().sample(), "gpu_note": ""})
+                       "gpu": gpu, "gpu_note": gpu_note})
+    return graphs
+
+
+def test_where_the_driver_hides_whose_vram_is_whose_this_process_is_not_said_to_hold_none(qtbot, monkeypatch):
+    """A driver (or a container) that hides per-process memory: the VRAM header read 'this process 0.00' beside
+    'others 30.00 (ours included ...)', a wrong number for a model holding most of the 30 GiB."""
+    import engine.nvml as nvml
+    from tests.test_nvml import FakeNvml
+
+    monkeypatch.setattr(nvml, "pynvml", FakeNvml([(os.getpid(), 0)], hide_per_process=True))
+    graphs = _graphs_after_one_sample(qtbot, nvml.Nvml().sample(), "")  # (kept: its labels go with it)
     header = graphs.vram_plot.header.text()
     assert "this process 0.00" not in header
     assert "in use 30.00 (this process's and others': the driver does not say whose)" in header
@@ -1090,16 +1097,10 @@ def test_the_vram_graph_says_the_drivers_own_memory_apart_from_other_processes(q
     """'others 1.00' on a card where another process held 256 MiB and the driver its own 768 MiB (no process's, there
     with nothing running): the header said other processes held four times what they did."""
     import engine.nvml as nvml
-    from app.gui.graphs_panel import GraphsPanel
     from tests.test_nvml import DriverReserves
 
     monkeypatch.setattr(nvml, "pynvml", DriverReserves([(os.getpid(), 5 << 30), (os.getppid(), 256 << 20)], 768 << 20))
-    graphs = GraphsPanel()
-    qtbot.addWidget(graphs)
-    graphs.show()
-    graphs.add_sample({"t": 1.0, "wall": 0.0, "cpu_per_core": [50.0], "cpu_total": 50.0, "others_cpu_cores": 0.0,
-                       "ram_total": 16 << 30, "ram_available": 8 << 30, "ram_this": 1 << 30, "ram_others": 7 << 30,
-                       "gpu": nvml.Nvml().sample(), "gpu_note": ""})
+    graphs = _graphs_after_one_sample(qtbot, nvml.Nvml().sample(), "")  # (kept: its labels go with it)
     header = graphs.vram_plot.header.text()
     assert "this process 5.00" in header and "other processes 0.25, driver and display 0.75" in header
     assert "others 1.00" not in header
@@ -1108,14 +1109,8 @@ def test_the_vram_graph_says_the_drivers_own_memory_apart_from_other_processes(q
 def test_the_host_memory_graph_says_its_others_hold_the_kernels_own_memory(qtbot):
     """The host memory header's 'others 7.0' is all that is neither available nor this process's: the kernel's own
     memory (page tables, slab, buffers) is in it beside other processes'. It is said so, the number kept."""
-    from app.gui.graphs_panel import GraphsPanel
 
-    graphs = GraphsPanel()
-    qtbot.addWidget(graphs)
-    graphs.show()
-    graphs.add_sample({"t": 1.0, "wall": 0.0, "cpu_per_core": [50.0], "cpu_total": 50.0, "others_cpu_cores": 0.0,
-                       "ram_total": 16 << 30, "ram_available": 8 << 30, "ram_this": 1 << 30, "ram_others": 7 << 30,
-                       "gpu": None, "gpu_note": "no NVIDIA GPU"})
+    graphs = _graphs_after_one_sample(qtbot, None, "no NVIDIA GPU")
     header = graphs.ram_plot.header.text()
     assert "this process 1.00" in header and "other processes and the kernel 7.0" in header
     assert "others 7.0" not in header and "available 8.0 of 16.0 GiB" in header
