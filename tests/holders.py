@@ -51,6 +51,7 @@ def holders(target, skip=()) -> str:
             frame = frame.f_back
     seen = {id(target)}
     level = [(target, [])]
+    ignored.add(id(level[0]))
     chains = []
     for _ in range(MAX_DEPTH):
         next_level = []
@@ -67,7 +68,9 @@ def holders(target, skip=()) -> str:
                     if len(chains) == MAX_CHAINS:
                         return "; ".join(chains)
                 else:
-                    next_level.append((holder, step))
+                    entry = (holder, step)
+                    ignored.add(id(entry))  # (the walk's own tuples refer to what it walks: not holders)
+                    next_level.append(entry)
         if not next_level:
             break
         level = next_level
