@@ -130,6 +130,22 @@ def fixture_folder(name: str) -> Path:
     return path
 
 
+def timed_sweep_warm_up(monkeypatch, seconds: float = 0.0451) -> list:
+    """A sweep's unrecorded warm-up answer (engine.records.sweep.warm_up_answer) made as it is, said to take `seconds`;
+    returns the list of the budgets it ran at, filled as it runs."""
+    import engine.records.sweep as sweep
+
+    real_warm_up, budgets = sweep.warm_up_answer, []
+
+    def warm_up(model, cancel=None):
+        budgets.append(model.offload.plan.budget_bytes)
+        real_warm_up(model, cancel)
+        return seconds
+
+    monkeypatch.setattr(sweep, "warm_up_answer", warm_up)
+    return budgets
+
+
 @pytest.fixture
 def copy_fixture(tmp_path):
     """A writable copy of a fixture folder, for tests that damage it."""

@@ -15,7 +15,7 @@ import pytest
 
 from engine.errors import WorkbenchError
 from engine.units import duration_text, human_bytes
-from tests.conftest import fixture_folder
+from tests.conftest import fixture_folder, timed_sweep_warm_up
 from tests.test_bad_input import REPO, run_cli
 
 
@@ -502,16 +502,7 @@ def test_a_sweep_says_it_sets_the_expert_budget_given_at_each_point(tmp_path, ca
 def test_a_sweep_prints_its_warm_up_before_the_first_point_beside_its_points(tmp_path, capsys, monkeypatch):
     """The sweep's unrecorded answer at the loaded budget before its first point was printed nowhere, nor saved: what
     it cost could not be told. Its line (the JSON's "warm_up") says it beside the points, a stopped sweep's too."""
-    import engine.records.sweep as sweep
-
-    real_warm_up, loaded = sweep.warm_up_answer, []
-
-    def warm_up(model, cancel=None):
-        loaded.append(model.offload.plan.budget_bytes)
-        real_warm_up(model, cancel)
-        return 0.0451
-
-    monkeypatch.setattr(sweep, "warm_up_answer", warm_up)
+    loaded = timed_sweep_warm_up(monkeypatch)
     args = ("sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--history", str(tmp_path / "h.sqlite"),
             "--points", "2", "--max-new-tokens", "1", "--scenario", "short", "--repeats", "1")
     status, out, _err = _main(capsys, *args, "--json")

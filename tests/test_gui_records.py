@@ -31,7 +31,7 @@ from engine.records.scenarios import run_scenario  # noqa: E402
 from engine.records.side_by_side import first_divergence  # noqa: E402
 from engine.records.sweep import recommend  # noqa: E402
 from engine.units import counted, duration_text, human_bytes  # noqa: E402
-from tests.conftest import fixture_folder  # noqa: E402
+from tests.conftest import fixture_folder, timed_sweep_warm_up  # noqa: E402
 
 WAIT = 60_000
 EXPERT = 35328  # bytes of one gpt-oss fixture expert in a device slot (the GPU kernels' layout)
@@ -1308,18 +1308,10 @@ def test_a_window_sweep_says_what_its_warm_up_before_the_first_point_took(qtbot,
     point's runs time: the legend beside the points says what it took, a stopped sweep's too."""
     from dataclasses import replace
 
-    import engine.records.sweep as sweep
     from app.gui.records_jobs import SweepJob
     from app.gui.sweep_view import SweepView
 
-    real_warm_up, loaded = sweep.warm_up_answer, []
-
-    def warm_up(model, cancel=None):
-        loaded.append(model.offload.plan.budget_bytes)
-        real_warm_up(model, cancel)
-        return 0.0451
-
-    monkeypatch.setattr(sweep, "warm_up_answer", warm_up)
+    loaded = timed_sweep_warm_up(monkeypatch)
     device = SimulatedDevice(1 << 30)
     model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(device_expert_bytes=282624), device=device)
     result = SweepJob(2, ["short"], 1, history_path=str(tmp_path / "h.sqlite"), repeats=1)(
