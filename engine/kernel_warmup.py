@@ -16,11 +16,9 @@ loads it (tests/test_kernel_warmup.py checks that a record's timed part makes no
 
 from __future__ import annotations
 
-import gc
 import time
 
 import numpy as np
-from numba.core import event as numba_event
 
 
 def _warm(kernel) -> None:
@@ -41,17 +39,10 @@ def warm_model(model) -> float:
     # the CPU kernels run on the model's first experts, read from the mapped file: past the end of one cut short since
     # the load, a read kills the process (SIGBUS); a record's run on the loaded model gets here before any answer
     model.folder.onnx.check_mapped_files()
-    with numba_event.install_recorder("numba:compile") as compiles:
-        warm_cpu_kernels(model.decoder.steps)
-        if model.offload is not None:
-            warm_offload_bookkeeping()
-        model.decoder.warm_host_part_loop()
-    if compiles.buffer:
-        # Numba's compiler keeps some of the errors it recovers from (its typing and lowering fallbacks) in reference
-        # cycles with their tracebacks, whose frames link to their callers' up to this one and the caller's, which
-        # hold the model: until a collection found them, a dropped model kept its device and its slots' memory (seen
-        # in the GPU tests after a first compile). Collected while this frame still runs, they let go of it.
-        gc.collect()
+    warm_cpu_kernels(model.decoder.steps)
+    if model.offload is not None:
+        warm_offload_bookkeeping()
+    model.decoder.warm_host_part_loop()
     return time.perf_counter() - started
 
 
