@@ -414,24 +414,30 @@ class PartitionedDecoder:
 
     def warm_host_part_loop(self) -> float:
         """The host-part worker's compiled loop made ready (compiled, or loaded from Numba's cache) for each kind of
-        layer that may hand it a "both" step, where the dense part is on the GPU; returns the seconds it took. Called
-        by kernel_warmup.warm_model (the GUI's preparing step, run_turns' settling) and the offload benchmarks, so that
-        the first "both" step does not wait for it: its gates would come after the merges gave up and the step would run
-        again."""
+        layer that may hand it a "both" step (host_part_loops); returns the seconds it took. Called by the offload
+        benchmarks (kernel_warmup.warm_model compiles the same loops on a thread of its own), so that the first "both"
+        step does not wait for it: its gates would come after the merges gave up and the step would run again."""
+        loops = self.host_part_loops()
+        if not loops:
+            return 0.0
         started = time.perf_counter()
+        for kernel, x_dtype in loops:
+            worker_module.compile_loop(kernel, x_dtype)
+        return time.perf_counter() - started
+
+    def host_part_loops(self) -> list:
+        """(CPU kernel, activations' NumPy dtype) of each kind of layer that may hand the host-part worker a "both"
+        step, where the dense part is on the GPU and this machine runs the worker's loop; none otherwise."""
         if not (host_part_worker and self.dense is not None and self.dense.kind == "cuda"
                 and worker_module.supported()):
-            return 0.0
-        done = set()
+            return []
+        loops = {}
         for runner in self.steps:
             onnx_type = self._expert_input_types.get(runner.info.name) if hasattr(runner, "launch_ahead") else None
-            if onnx_type is None:
-                continue
-            kind = (getattr(runner.kernel, "compiled_for", id(runner.kernel)), onnx_type)
-            if kind not in done:
-                done.add(kind)
-                worker_module.compile_loop(runner.kernel, helper.tensor_dtype_to_np_dtype(onnx_type))
-        return time.perf_counter() - started
+            if onnx_type is not None:
+                kind = (getattr(runner.kernel, "compiled_for", id(runner.kernel)), onnx_type)
+                loops.setdefault(kind, (runner.kernel, helper.tensor_dtype_to_np_dtype(onnx_type)))
+        return list(loops.values())
 
     def _finish(self, step, behind: bool, finished: list) -> bool:
         """A layer whose host part was left (SplitStep), or None: that part done, with work queued behind its merge

@@ -16,6 +16,7 @@ loads it (tests/test_kernel_warmup.py checks that a record's timed part makes no
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -39,11 +40,39 @@ def warm_model(model) -> float:
     # the CPU kernels run on the model's first experts, read from the mapped file: past the end of one cut short since
     # the load, a read kills the process (SIGBUS); a record's run on the loaded model gets here before any answer
     model.folder.onnx.check_mapped_files()
-    warm_cpu_kernels(model.decoder.steps)
-    if model.offload is not None:
-        warm_offload_bookkeeping()
-    model.decoder.warm_host_part_loop()
+    _first_calls_apart(distinct_cpu_kernels(model.decoder.steps), model.offload is not None,
+                       model.decoder.host_part_loops())
     return time.perf_counter() - started
+
+
+def _first_calls_apart(kernels: list, bookkeeping: bool, loops: list) -> None:
+    """The first calls made on a thread of their own, which holds the kernels alone, this one waiting for it.
+
+    Numba's compiler keeps some of the errors it recovers from (typing and lowering fallbacks) in its caches, with their
+    tracebacks, whose frames link to their callers' frames: made on the caller's thread they held warm_model's frame and
+    its callers', and so the model, for as long as the process lived. A model dropped then kept its CUDA device and its
+    slots' memory (the GPU tests' drop test after a process's first compile; the dev VM with an empty Numba cache).
+    On a thread of its own, the frames end at that thread's start."""
+    from engine.offload.host_part_worker import compile_loop
+
+    failed = []
+
+    def first_calls() -> None:
+        try:
+            for kernel in kernels:
+                _warm(kernel)
+            if bookkeeping:
+                warm_offload_bookkeeping()
+            for kernel, x_dtype in loops:
+                compile_loop(kernel, x_dtype)
+        except BaseException as exc:  # raised on the caller's thread, as if it had made the calls
+            failed.append(exc)
+
+    thread = threading.Thread(target=first_calls, name="kernel-first-calls")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
 
 
 def warm_offload_bookkeeping() -> None:
@@ -80,13 +109,16 @@ def warm_cpu_kernels(runners) -> float:
     """Each distinct CPU expert kernel among `runners` (the decoder's steps: anything with a `kernel`) run once for a
     decode step and once for a prefill; returns the seconds it took (its compilation's, on a cold cache)."""
     started = time.perf_counter()
-    seen = set()
+    for kernel in distinct_cpu_kernels(runners):
+        _warm(kernel)
+    return time.perf_counter() - started
+
+
+def distinct_cpu_kernels(runners) -> list:
+    """One CPU expert kernel of each kind (compiled_for) among `runners`' kernels."""
+    kernels = {}
     for runner in runners:
         kernel = getattr(runner, "kernel", None)
-        if kernel is None or not hasattr(kernel, "compiled_for"):
-            continue
-        key = kernel.compiled_for
-        if key not in seen:
-            seen.add(key)
-            _warm(kernel)
-    return time.perf_counter() - started
+        if kernel is not None and hasattr(kernel, "compiled_for"):
+            kernels.setdefault(kernel.compiled_for, kernel)
+    return list(kernels.values())

@@ -138,3 +138,52 @@ def test_generates_answer_times_call_no_compiled_function_for_the_first_time(tmp
     assert result.stderr.strip().splitlines()[-1] == "none", f"first called in the timed part:\n{result.stderr}"
     timings = json.loads(result.stdout)["timings"]
     assert timings["kernel_warm_up_s"] > 0 and timings["time_to_first_token_s"] > 0
+
+
+class _Model:
+    """What warm_model reads of a loaded model with offload, and no more (a weak reference says when it is gone)."""
+
+    def __init__(self):
+        self.folder = SimpleNamespace(onnx=SimpleNamespace(check_mapped_files=lambda: None))
+        self.decoder = SimpleNamespace(steps=[], host_part_loops=lambda: [])
+        self.offload = SimpleNamespace()
+
+
+def test_a_model_warmed_through_a_first_compile_is_dropped_at_once(monkeypatch):
+    """Numba's compiler keeps errors it recovered from in its caches with their tracebacks, whose frames link to their
+    callers': a first compile made on warm_model's thread held its frame, and so the model, for the process's life (a
+    dropped model kept its CUDA device in the whole GPU run). warm_model makes the first calls on a thread of its own."""
+    import gc
+    import weakref
+
+    from engine import kernel_warmup
+
+    kept = []  # the compiler's cache
+
+    def compile_keeping_its_error():
+        try:
+            raise NotImplementedError("no definition for lowering static_setitem")
+        except NotImplementedError as exc:
+            kept.append(exc)
+
+    monkeypatch.setattr(kernel_warmup, "warm_offload_bookkeeping", compile_keeping_its_error)
+    gc.disable()  # (nothing here is a cycle: the model goes at its last reference, or not at all)
+    try:
+        model = _Model()
+        kernel_warmup.warm_model(model)
+        dropped = weakref.ref(model)
+        del model
+        assert len(kept) == 1 and dropped() is None
+    finally:
+        gc.enable()
+
+
+def test_an_error_of_the_first_calls_is_raised_by_warm_model(monkeypatch):
+    from engine import kernel_warmup
+
+    def fails():
+        raise ValueError("kernel for /model/layers.0/moe/QMoE: no such layout")
+
+    monkeypatch.setattr(kernel_warmup, "warm_offload_bookkeeping", fails)
+    with pytest.raises(ValueError, match=r"^kernel for /model/layers.0/moe/QMoE: no such layout$"):
+        kernel_warmup.warm_model(_Model())
