@@ -152,7 +152,8 @@ class _Model:
 def test_a_model_warmed_through_a_first_compile_is_dropped_at_once(monkeypatch):
     """Numba's compiler keeps errors it recovered from in its caches with their tracebacks, whose frames link to their
     callers': a first compile made on warm_model's thread held its frame, and so the model, for the process's life (a
-    dropped model kept its CUDA device in the whole GPU run). warm_model makes the first calls on a thread of its own."""
+    dropped model kept its CUDA device in the whole GPU run). warm_model makes the first calls on a thread of their
+    own."""
     import gc
     import weakref
 
