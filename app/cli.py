@@ -572,13 +572,19 @@ class _StreamedAnswer:
 
 def _warm_up(model, as_json: bool) -> float:
     """The model's compiled kernels and bookkeeping run once (kernel_warmup.warm_model); its seconds. Where that took
-    long (a first run on this machine, or after an upgrade: Numba compiling), a line on standard error says so."""
+    long, a line on standard error says why: Numba compiling (a first run on this machine, or after an upgrade), or
+    loading them from its cache (a busy machine took over a second for that, and was said to compile)."""
+    from numba.core import event as numba_event
+
     from engine.kernel_warmup import warm_model
 
-    seconds = warm_model(model)
+    with numba_event.install_recorder("numba:compile") as compiles:  # (its listeners hear every thread)
+        seconds = warm_model(model)
     if seconds >= 1 and not as_json:
-        print(f"generate: the CPU kernels compiled in {duration_text(seconds)} before the answer (once: Numba caches "
-              "them); not in the answer's times", file=sys.stderr, flush=True)
+        done = ("compiled in {} before the answer (once: Numba caches them)" if compiles.buffer else
+                "loaded from Numba's cache in {} before the answer")
+        print(f"generate: the CPU kernels {done.format(duration_text(seconds))}; not in the answer's times",
+              file=sys.stderr, flush=True)
     return seconds
 
 
