@@ -5,8 +5,13 @@ does; the parts must equal the CPU kernel's on the same pairs. The decoder's sid
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numba
@@ -18,9 +23,10 @@ from engine.errors import WorkbenchError
 from engine.offload import host_part_worker
 from engine.offload.host_part_worker import HostPartWorker, JobDone
 from kernels.cold_split import cpu_spans
-from kernels.cpu import CpuQMoE, host_parts
+from kernels.cpu import CpuQMoE, host_parts, numba_cache
 from kernels.gpu.published import PublishedRouting
 from kernels.reference import route as ref_route
+from tests.haswell_check import ROOT
 from tests.qmoe_oracle import make_case
 from tests.test_decoder_ahead import FakeDense, _Later, _read, make_decoder
 from tests.test_qmoe_cpu import _spec
@@ -523,3 +529,61 @@ def test_a_dropped_worker_goes_with_what_it_holds_and_its_thread_ends(kernel):
         assert not thread.is_alive() and [ref() for ref in dropped] == [None, None]
     finally:
         gc.enable()
+
+
+FIRST_CALL = """
+import sys
+import numpy as np
+from types import SimpleNamespace
+from numba.np.ufunc import parallel
+from engine.offload import host_part_worker
+from kernels.cpu import CpuQMoE
+from kernels.gpu.published import PublishedRouting
+from tests.qmoe_oracle import make_case
+from tests.test_host_part_worker import HOST_CUPY, Step
+from tests.test_qmoe_cpu import _spec
+
+attrs, t, x, _ = make_case(seed=3, E=16, H=128, I=96, k=4, bits=4, block_size=32, T=3, activation="swiglu",
+                           swiglu_fusion=1)
+kernel = CpuQMoE(_spec(attrs, t, x), t)
+assert not parallel._is_initialized  # nothing has run a parallel kernel in this process
+assert host_part_worker.compile_loop(kernel, np.float16)
+spec = kernel.spec
+block = PublishedRouting(HOST_CUPY, 2, spec.k, spec.hidden_size, np.float16)
+block.launched += 1
+block.x[:] = x[:2]
+block.ids[:] = [[0, 3, 5, 7], [1, 3, 9, 15]]
+block.w[:], block.on_cpu[:], block.flag[0] = 0.25, 1, block.launched  # routed before the job is taken
+worker = host_part_worker.HostPartWorker(threads=2)
+assert worker.take(Step(0, kernel, block))
+worker.drain()
+np.save(sys.argv[1], block.part)
+"""
+
+
+def test_a_cached_loop_that_launches_no_threading_layer_runs_as_a_processs_first_call(kernel, tmp_path):
+    """Numba (0.68) writes the loop's cache entry without the hook that launches its threading layer at a load where
+    the writing process loaded moe_gemv from the cache rather than compiling it (a library rebuilt from the cache keeps
+    no reload hooks): the suite's warming process, any process after the one that compiled the kernels. A process
+    whose first kernel call was such a loop died (SIGSEGV). Here the fixture's entries as such a process writes them,
+    in a cache of their own: a fresh process loads the loop first and computes a part."""
+    cached = host_parts.run_host_parts._cache
+    cache = cached._cache_file
+    folder = tmp_path / "numba" / Path(cached.cache_path).relative_to(numba_cache.cache_root())
+    folder.mkdir(parents=True)
+    shutil.copy(cache._index_path, folder)
+    for name in cache._load_index().values():
+        libdata, fndesc, env, signature, objectmode, lifted, typeann, _reload_init, envs = cache._load_data(name)
+        (folder / name).write_bytes(cache._dump((libdata, fndesc, env, signature, objectmode, lifted, typeann, [],
+                                                 envs)))
+    part = tmp_path / "part.npy"
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-c", FIRST_CALL, str(part)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    x = make_case(seed=3, E=16, H=128, I=96, k=4, bits=4, block_size=32, T=3, activation="swiglu",
+                  swiglu_fusion=1)[2][:2]
+    ids = np.array([[0, 3, 5, 7], [1, 3, 9, 15]], np.int32)
+    want = kernel.run_experts(x.astype(np.float16).astype(np.float32), ids, np.full(ids.shape, 0.25, np.float32),
+                              out=np.zeros((2, kernel.spec.hidden_size), np.float32))
+    assert np.array_equal(np.load(part), want)
