@@ -833,6 +833,35 @@ def test_a_cpu_cost_line_held_to_the_stream_passes_through_the_calls_means():
     assert CpuRate().priced(100e9) == (None, 0.0)
 
 
+def test_a_cpu_cost_line_held_to_the_stream_is_made_once_until_calls_come(monkeypatch):
+    # priced() runs at every layer whose misses the policy prices (HybridExpertNode._miss_costs): the held line was
+    # made again from the sums (_checked, _through_recent: float work and an R²) at each of those calls
+    calls = line_calls(150e9, 100e-6)
+    later = [(4 * FLAT_EXPERT, 100e-6 + 4 * FLAT_EXPERT / 150e9)] * 400  # of one size: the slope kept through them
+
+    def priced_once(stream: float, then=()) -> tuple:
+        """The price of a rate that makes its held line fresh: the same calls (fitted after the first), priced once."""
+        fresh = observed(CpuRate(ceiling=200e9, stream=100e9), calls)
+        assert fresh.value == pytest.approx(150e9, rel=1e-6)
+        return observed(fresh, then).priced(stream)
+
+    fresh = [priced_once(100e9), priced_once(80e9), priced_once(80e9, later)]
+    assert fresh[2][1] == pytest.approx(100e-6 + 10e6 / 150e9 - 10e6 / 80e9, rel=1e-3)  # through the later calls
+    made = []
+    for name in ("_checked", "_through_recent"):
+        monkeypatch.setattr(CpuRate, name, lambda self, *args, method=getattr(CpuRate, name), name=name: (
+            made.append(name), method(self, *args))[1])
+    rate = observed(CpuRate(ceiling=200e9, stream=100e9), calls)
+    rate.value  # the fit (its own _checked)
+    made.clear()
+    assert [rate.priced(100e9) for _ in range(6)] == [fresh[0]] * 6 and made == ["_checked"]
+    assert [rate.priced(80e9) for _ in range(6)] == [fresh[1]] * 6 and made == ["_checked"] * 2  # a stream change
+    observed(rate, later)
+    made.clear()
+    assert [rate.priced(80e9) for _ in range(6)] == [fresh[2]] * 6
+    assert made == ["_through_recent"] * 2  # the kept line through the later calls, and the held one once
+
+
 def test_the_words_for_a_cpu_rate_say_a_slow_one_in_mb_per_s():
     # a host pricing a miss at 0.3 GB/s (a busy CPU's calls, each mostly its fixed cost) read "0 GB/s", as if free
     assert cpu_rate_words(0.3e9, 0.3e9, 17.3e-3) == "300 MB/s + 17300 µs a call"

@@ -118,6 +118,9 @@ class CpuRate:
         self._fitted: tuple[float, float] | None = None  # _line(), computed when read after new calls
         self._stale = False
         self._kept = False  # _fitted is a kept slope through the recent calls (_through_recent), not their own line
+        # (stream, priced()'s line held to it, None where refused), kept until calls come as _fitted is: priced() runs
+        # at every layer whose misses the policy prices, and made the held line again each time
+        self._held: tuple[float, tuple[float, float] | None] | None = None
 
     def observe(self, nbytes: int, seconds: float) -> None:
         if seconds <= 0 or nbytes <= 0:
@@ -206,6 +209,7 @@ class CpuRate:
             elif self._fitted is not None:
                 self._fitted = self._through_recent(self._fitted[1])
             self._stale = False
+            self._held = None
         return self._fitted
 
     def priced(self, stream: float) -> tuple[float | None, float]:
@@ -215,14 +219,18 @@ class CpuRate:
         weighted means as the fitted one did, its fixed cost made again for the stream's slope and checked as the
         fitted line's was (a kept line's as _through_recent makes it); a fitted line refused so prices at the average
         rate, as one refused when fitted. Holding the slope alone kept the faster line's fixed cost: calls on 150 GB/s
-        + 100 µs, 11 MB on average, held to 100 GB/s were priced 37 µs over what they took on average."""
+        + 100 µs, 11 MB on average, held to 100 GB/s were priced 37 µs over what they took on average. The held line
+        is kept until calls come or the stream changes."""
         line = self._current()
         if line is None or line[1] * stream >= 1.0:
             value = self.value
             return (None if value is None else min(value, stream)), self.fixed_s
-        slope = 1.0 / stream
-        w, sx, sy = self._sums[:3]
-        held = self._through_recent(slope) if self._kept else self._checked(sy / w - slope * sx / w, slope, slope)
+        if self._held is None or self._held[0] != stream:
+            slope = 1.0 / stream
+            w, sx, sy = self._sums[:3]
+            held = self._through_recent(slope) if self._kept else self._checked(sy / w - slope * sx / w, slope, slope)
+            self._held = stream, held
+        held = self._held[1]
         return (1.0 / held[1], held[0]) if held else (min(self.average, stream), 0.0)
 
     def _through_recent(self, slope: float) -> tuple[float, float]:
