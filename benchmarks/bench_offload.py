@@ -470,7 +470,8 @@ def cpu_rate_in_force(offload) -> dict:
     rate = offload.split_cpu_rate if offload.splits_cold else offload.cpu_rate
     state = offload.cpu_rate_state(rate)
     return {"bytes_per_s": state["cpu_bytes_per_s"], "measured_bytes_per_s": state["cpu_measured_bytes_per_s"],
-            "fixed_s": state["cpu_call_s"], "average_bytes_per_s": rate.average}
+            "fixed_s": state["cpu_call_s"], "measured_fixed_s": state["cpu_measured_call_s"],
+            "average_bytes_per_s": rate.average}
 
 
 def cpu_kernels(rate: dict, path: dict, misses_cpu: int, calibration: float) -> dict:
@@ -485,13 +486,13 @@ def cpu_kernels(rate: dict, path: dict, misses_cpu: int, calibration: float) -> 
 
 def cpu_kernels_words(figure: dict) -> str:
     """' (CPU kernels 47 GB/s + 90 µs a call, average 40 GB/s = 39% of them alone)' where a decode figure has its
-    CPU kernels (cpu_kernels), with the measured rate where the stream clamped it (cpu_rate_words); else ''."""
+    CPU kernels (cpu_kernels), with the measured line where the stream clamped its rate (cpu_rate_words); else ''."""
     if "cpu_kernels" not in figure:
         return ""
     rate = figure["cpu_kernels"]
-    return (f" (CPU kernels {cpu_rate_words(rate['bytes_per_s'], rate['measured_bytes_per_s'], rate['fixed_s'])}, "
-            f"average {byte_rate(rate['average_bytes_per_s'], 0)} = {rate['average_to_calibration']:.0%} of them "
-            f"alone)")
+    said = cpu_rate_words(rate["bytes_per_s"], rate["measured_bytes_per_s"], rate["fixed_s"], rate["measured_fixed_s"])
+    return (f" (CPU kernels {said}, average {byte_rate(rate['average_bytes_per_s'], 0)} = "
+            f"{rate['average_to_calibration']:.0%} of them alone)")
 
 
 def engine_after_decode(model: LoadedModel) -> tuple[dict, dict]:
@@ -504,7 +505,7 @@ def engine_after_decode(model: LoadedModel) -> tuple[dict, dict]:
     groups = offload.streaming.groups
     held = offload.cpu_rate_state(offload.cpu_rate)
     return ({"cpu_rate": held["cpu_bytes_per_s"], "cpu_measured_rate": held["cpu_measured_bytes_per_s"],
-             "cpu_fixed_s": held["cpu_call_s"],
+             "cpu_fixed_s": held["cpu_call_s"], "cpu_measured_fixed_s": held["cpu_measured_call_s"],
              "cpu_average_rate": offload.cpu_rate.average, "miss_slots_per_layer": list(offload.policy.miss_slots),
              "copy_prepare_s": getattr(offload.stores[0], "prepare_s", None), "copy_reuse": offload.copy_reuse.value,
              "pinned": offload.pinned_info(), "streaming_slots": [group.num_slots for group in groups],

@@ -269,15 +269,17 @@ def engine_figures(model: LoadedModel) -> dict:
             "miss_slots": max(state["miss_slots"], default=0), "whole_layers": state["layer_split"]["whole_layers"],
             "decode_path": path["in_force"], "cold_split": path["cold_split"], "path": path,
             "placement": state.get("placement"), "cpu_rate": rate["cpu_bytes_per_s"],
-            "cpu_measured_rate": rate["cpu_measured_bytes_per_s"], "cpu_fixed_s": rate["cpu_call_s"]}
+            "cpu_measured_rate": rate["cpu_measured_bytes_per_s"], "cpu_fixed_s": rate["cpu_call_s"],
+            "cpu_measured_fixed_s": rate["cpu_measured_call_s"]}
 
 
 def cpu_rate_words(figures: dict) -> str:
-    """', CPU kernels 138 GB/s + 44 µs a call' where the engine measured its CPU kernels, with the measured rate where
-    the stream clamped it (miss_policy.cpu_rate_words); else ''."""
+    """', CPU kernels 138 GB/s + 44 µs a call' where the engine measured its CPU kernels, with the measured line where
+    the stream clamped its rate (miss_policy.cpu_rate_words); else ''."""
     if not figures.get("cpu_rate"):
         return ""
-    return f", CPU kernels {words(figures['cpu_rate'], figures['cpu_measured_rate'], figures['cpu_fixed_s'])}"
+    return ", CPU kernels " + words(figures["cpu_rate"], figures["cpu_measured_rate"], figures["cpu_fixed_s"],
+                                    figures["cpu_measured_fixed_s"])
 
 
 def last_round_line(name: str, last: dict) -> str:

@@ -94,10 +94,12 @@ def run_steps(model, state, token: int, steps: int, runs: dict, at_step: dict | 
         split = engine.copy_state()["decode_path"]["cold_split"]  # None unless "both" is in force
         cpu_misses = sum(layer.misses - layer.misses_read for layer in stats.layers) - cpu_before
         read = sum(layer.misses_read for layer in stats.layers) - read_before
-        # the one the table comes from, in force; the measured one beside it where the stream clamped it
+        # the one the table comes from, in force; the measured line (its rate, its own fixed cost) beside it where the
+        # stream clamped it
         cpu_rate = engine.cpu_rate_state(engine.split_cpu_rate if engine.splits_cold else engine.cpu_rate)
         rate, measured = cpu_rate["cpu_bytes_per_s"] or 0.0, cpu_rate["cpu_measured_bytes_per_s"] or 0.0
-        clamped = f" (measured {byte_rate(measured, 1)})" if measured > rate else ""
+        measured_call = cpu_rate["cpu_measured_call_s"] * 1e6
+        clamped = f" (measured {byte_rate(measured, 1)} + {measured_call:.0f})" if measured > rate else ""
         tier = engine.tier_read.value or 0.0
         print(f"{step:4d} {ms:7.2f} {engine.decode_path_in_force:>4}/{trial['measuring'] or '-':>4}  "
               f"replays {replays - before_replays:3d} runs {runs['runs'] - before_runs:3d} held {held:3d}  "

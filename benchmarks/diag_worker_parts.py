@@ -263,12 +263,13 @@ def chain_parts(worker, jobs: list) -> dict:
 
 def split_inputs(engine, layer: int) -> str:
     """What the split's table of `layer` was made from at the step's end (engine.cold_split_table): the CPU's rate and
-    fixed cost a call (in force, with the measured rate where the stream clamped it: cpu_rate_words), the GPU's tier
-    reads, the host's gap, the share trials' choice; and the table in force, with the rows of a pair split by rows
+    fixed cost a call (in force, with the measured line where the stream clamped its rate: cpu_rate_words), the GPU's
+    tier reads, the host's gap, the share trials' choice; and the table in force, with the rows of a pair split by rows
     where any (engine.cold_split_rows)."""
     rate, tier = engine.cpu_rate_state(engine.split_cpu_rate), engine.tier_read.value
     rows = engine.cold_split_rows(layer)
-    cpu = cpu_rate_words(rate["cpu_bytes_per_s"] or 0.0, rate["cpu_measured_bytes_per_s"] or 0.0, rate["cpu_call_s"], 1)
+    cpu = cpu_rate_words(rate["cpu_bytes_per_s"] or 0.0, rate["cpu_measured_bytes_per_s"] or 0.0, rate["cpu_call_s"],
+                         rate["cpu_measured_call_s"], 1)
     return (f"the split's table from: CPU {cpu}, "
             f"tier reads {'not measured' if tier is None else f'{tier / 1e9:.1f} GB/s'}, host gap "
             f"{engine.host_gap.value * 1e6:.0f} µs, share {engine.share_trials.choice!r}: CPU takes "

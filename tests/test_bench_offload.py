@@ -487,17 +487,19 @@ def test_a_points_cpu_rate_is_the_one_in_force_with_the_measured_one_beside_it(t
 
     model = clamped_rates_model(write_model(tmp_path / "m", SPEC))  # 60 GB/s measured, 40 streaming
     held, in_force = bench.engine_after_decode(model)
-    assert (held["cpu_rate"], held["cpu_measured_rate"], held["cpu_fixed_s"]) == (
-        pytest.approx(40e9), pytest.approx(60e9), pytest.approx(6.25e-6))
-    assert (in_force["bytes_per_s"], in_force["measured_bytes_per_s"], in_force["fixed_s"]) == (
-        pytest.approx(40e9), pytest.approx(60e9), pytest.approx(6.25e-6))
+    assert (held["cpu_rate"], held["cpu_measured_rate"], held["cpu_fixed_s"], held["cpu_measured_fixed_s"]) == (
+        pytest.approx(40e9), pytest.approx(60e9), pytest.approx(6.25e-6), pytest.approx(100e-6))
+    assert (in_force["bytes_per_s"], in_force["measured_bytes_per_s"], in_force["fixed_s"],
+            in_force["measured_fixed_s"]) == (
+        pytest.approx(40e9), pytest.approx(60e9), pytest.approx(6.25e-6), pytest.approx(100e-6))
     figure = bench.cpu_kernels(in_force, {"in_force": "both"}, 1, in_force["average_bytes_per_s"])
     assert bench.cpu_kernels_words(figure).startswith(
-        " (CPU kernels 40 GB/s + 6 µs a call (measured 60, clamped to the stream), average ")
+        " (CPU kernels 40 GB/s + 6 µs a call (measured 60 GB/s + 100 µs a call, its rate clamped to the stream), "
+        "average ")
     figure["cpu_kernels"]["measured_bytes_per_s"] = 40e9  # a rate within the stream is said alone
     assert bench.cpu_kernels_words(figure).startswith(" (CPU kernels 40 GB/s + 6 µs a call, average ")
     # a slow host's rates, in force and on average, in MB/s: "0 GB/s" read as free
-    slow = {"bytes_per_s": 0.3e9, "measured_bytes_per_s": 0.3e9, "fixed_s": 17.3e-3, "average_bytes_per_s": 0.2e9,
-            "average_to_calibration": 0.05}
+    slow = {"bytes_per_s": 0.3e9, "measured_bytes_per_s": 0.3e9, "fixed_s": 17.3e-3, "measured_fixed_s": 17.3e-3,
+            "average_bytes_per_s": 0.2e9, "average_to_calibration": 0.05}
     assert bench.cpu_kernels_words({"cpu_kernels": slow}) == (
         " (CPU kernels 300 MB/s + 17300 µs a call, average 200 MB/s = 5% of them alone)")

@@ -816,5 +816,7 @@ def test_a_variants_last_round_says_the_cpu_rate_in_force_with_the_measured_one_
 
     figures = ab.engine_figures(clamped_rates_model(write_model(tmp_path / "m", SPEC)))  # 60 GB/s measured, 40 read
     assert (figures["cpu_rate"], figures["cpu_measured_rate"]) == (pytest.approx(40e9), pytest.approx(60e9))
-    assert ab.cpu_rate_words(figures) == ", CPU kernels 40 GB/s + 6 µs a call (measured 60, clamped to the stream)"
+    assert figures["cpu_measured_fixed_s"] == pytest.approx(100e-6)
+    assert ab.cpu_rate_words(figures) == \
+        ", CPU kernels 40 GB/s + 6 µs a call (measured 60 GB/s + 100 µs a call, its rate clamped to the stream)"
     assert ab.cpu_rate_words({**figures, "cpu_measured_rate": 40e9}) == ", CPU kernels 40 GB/s + 6 µs a call"

@@ -51,7 +51,8 @@ def test_the_split_tables_inputs_are_said_with_the_table_in_force():
     engine = SimpleNamespace(split_cpu_rate=SimpleNamespace(value=95e9, fixed_s=41e-6),
                              cpu_rate_state=lambda rate: {"cpu_bytes_per_s": rate.value,
                                                           "cpu_measured_bytes_per_s": rate.value,
-                                                          "cpu_call_s": rate.fixed_s},
+                                                          "cpu_call_s": rate.fixed_s,
+                                                          "cpu_measured_call_s": rate.fixed_s},
                              tier_read=SimpleNamespace(value=None), host_gap=SimpleNamespace(value=2e-6),
                              share_trials=SimpleNamespace(choice="one fewer"),
                              cold_split_table=lambda layer: np.array([0, 1, 1, 2, 3, 3, 4, 5, 5 + layer]),
@@ -75,5 +76,6 @@ def test_the_split_tables_inputs_say_the_cpu_rate_in_force_with_the_measured_one
     from tests.test_offload import SPEC, clamped_rates_model
 
     engine = clamped_rates_model(write_model(tmp_path / "m", SPEC)).offload  # 60 GB/s measured, 40 streaming
-    assert split_inputs(engine, 0).startswith("the split's table from: CPU 40.0 GB/s + 6 µs a call (measured 60.0, "
-                                              "clamped to the stream), tier reads not measured, ")
+    assert split_inputs(engine, 0).startswith("the split's table from: CPU 40.0 GB/s + 6 µs a call (measured 60.0 GB/s "
+                                              "+ 100 µs a call, its rate clamped to the stream), tier reads not "
+                                              "measured, ")

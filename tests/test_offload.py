@@ -377,7 +377,7 @@ def test_under_decode_path_both_the_cpus_share_follows_the_rates_measured_in_its
                                  "split_rows": None, "inter_size": 64}], "inter_size": 64,  # (every layer's alike)
                      "cpu_bytes_per_s": cpu_bytes_per_s(device.bandwidths, engine.split_rate.value),
                      "cpu_measured_bytes_per_s": engine.split_rate.value, "cpu_call_s": engine.split_rate.fixed_s,
-                     "tier_read_bytes_per_s": engine.tier_read.value,
+                     "cpu_measured_call_s": engine.split_rate.fixed_s, "tier_read_bytes_per_s": engine.tier_read.value,
                      "host_gap_s": 0.0, "slow_steps_left_out": engine.split_gate.left_out, "fixed": False,
                      "share": {"shift": 0, "trials": 0, "measured_ms": {}, "measuring": None},  # (none yet: 12 steps)
                      "rows": None}
@@ -416,6 +416,7 @@ def test_the_engine_says_the_cpu_rate_in_force_with_the_measured_one_beside_it(m
     for said in (state, state["decode_path"]["cold_split"]):  # the CPU path's rate, the split's
         assert (said["cpu_bytes_per_s"], said["cpu_measured_bytes_per_s"], said["cpu_call_s"]) == (
             pytest.approx(40e9, rel=1e-9), pytest.approx(60e9, rel=1e-9), pytest.approx(6.25e-6, rel=1e-6))
+        assert said["cpu_measured_call_s"] == pytest.approx(100e-6, rel=1e-6)  # the measured line's own
     # the miss policy prices a call so (its costs for a layer's misses), and the split's costs
     node = next(step for step in model.decoder.steps if isinstance(step, HybridExpertNode))
     assert node._miss_costs([1], 0.0, 0.0, None).cpu_fixed_s == pytest.approx(6.25e-6, rel=1e-6)
@@ -423,7 +424,7 @@ def test_the_engine_says_the_cpu_rate_in_force_with_the_measured_one_beside_it(m
     slow = engine.cpu_rate_state(observed(CpuRate(), line_calls(20e9, 2e-6)))  # below the stream: the rate measured
     assert slow["cpu_bytes_per_s"] == slow["cpu_measured_bytes_per_s"] == pytest.approx(20e9)
     assert engine.cpu_rate_state(CpuRate()) == {"cpu_bytes_per_s": None, "cpu_measured_bytes_per_s": None,
-                                                "cpu_call_s": 0.0}
+                                                "cpu_call_s": 0.0, "cpu_measured_call_s": 0.0}
 
 
 def test_the_split_tables_price_a_cpu_miss_as_the_miss_policy_does(model_folder):

@@ -864,12 +864,21 @@ def test_a_cpu_cost_line_held_to_the_stream_is_made_once_until_calls_come(monkey
 
 def test_the_words_for_a_cpu_rate_say_a_slow_one_in_mb_per_s():
     # a host pricing a miss at 0.3 GB/s (a busy CPU's calls, each mostly its fixed cost) read "0 GB/s", as if free
-    assert cpu_rate_words(0.3e9, 0.3e9, 17.3e-3) == "300 MB/s + 17300 µs a call"
-    assert cpu_rate_words(0.45e9, 0.45e9, 0.0, decimals=1) == "450.0 MB/s + 0 µs a call"
-    assert cpu_rate_words(85e9, 85e9, 129e-6) == "85 GB/s + 129 µs a call"
-    # the measured rate beside it in its own unit where that differs from the rate in force's
-    assert cpu_rate_words(0.04e9, 400e9, 2e-6) == "40 MB/s + 2 µs a call (measured 400 GB/s, clamped to the stream)"
-    assert cpu_rate_words(85e9, 140e9, 129e-6) == "85 GB/s + 129 µs a call (measured 140, clamped to the stream)"
+    assert cpu_rate_words(0.3e9, 0.3e9, 17.3e-3, 17.3e-3) == "300 MB/s + 17300 µs a call"
+    assert cpu_rate_words(0.45e9, 0.45e9, 0.0, 0.0, decimals=1) == "450.0 MB/s + 0 µs a call"
+    assert cpu_rate_words(85e9, 85e9, 129e-6, 129e-6) == "85 GB/s + 129 µs a call"
+    assert cpu_rate_words(0.04e9, 400e9, 0.0, 2e-6) == \
+        "40 MB/s + 0 µs a call (measured 400 GB/s + 2 µs a call, its rate clamped to the stream)"
+
+
+def test_the_words_for_a_cpu_rate_held_to_the_stream_say_the_measured_line_and_the_priced_one():
+    # 60 GB/s + 100 µs held to a 40 GB/s stream prices a call at 6 µs (through the calls' mean): the report said
+    # "40 GB/s + 6 µs a call (measured 60, clamped to the stream)", the measured rate beside the fixed cost in force,
+    # a line of 60 GB/s + 6 µs that nobody measured nor priced
+    assert cpu_rate_words(40e9, 60e9, 6.25e-6, 100e-6) == \
+        "40 GB/s + 6 µs a call (measured 60 GB/s + 100 µs a call, its rate clamped to the stream)"
+    assert cpu_rate_words(40e9, 60e9, 6.25e-6, 100e-6, decimals=1) == \
+        "40.0 GB/s + 6 µs a call (measured 60.0 GB/s + 100 µs a call, its rate clamped to the stream)"
 
 
 def test_a_cpu_rates_slow_first_calls_are_left_out_of_its_fit():

@@ -477,7 +477,7 @@ def copies_text(copies: dict, layer_index: list[int] | None = None) -> str:
     rate, call = copies.get("cpu_bytes_per_s"), copies.get("cpu_call_s")
     if rate:
         parts.append(f"CPU misses priced at {byte_rate(rate, 1)}" + (f" + {call * 1e6:.0f} µs a call" if call else "")
-                     + clamped_words(copies, 1))
+                     + clamped_words(copies, 1, with_call=True))
     split = copies.get("layer_split") or {}
     measured = split.get("measured_ms") or {}
     if split.get("measuring"):  # decode speed moves with the split for the trial's few dozen steps
@@ -497,12 +497,19 @@ def copies_text(copies: dict, layer_index: list[int] | None = None) -> str:
     return ", ".join(parts)
 
 
-def clamped_words(state: dict, decimals: int) -> str:
+def clamped_words(state: dict, decimals: int, with_call: bool = False) -> str:
     """' (measured 140.2 GB/s, clamped to the host's streaming read)' where the CPU rate `state` prices misses at
-    (OffloadEngine.cpu_rate_state) is lower than the one measured; else ''."""
+    (OffloadEngine.cpu_rate_state) is lower than the one measured; else ''. `with_call`: where the words before say
+    the fixed cost a call in force, the measured line's own beside its rate (' (measured 140.2 GB/s + 129 µs a call,
+    its rate clamped ...)'): the held line's is made through the calls' mean (CpuRate.priced), and the measured rate
+    beside it alone read as a line nobody measured."""
     rate, measured = state.get("cpu_bytes_per_s"), state.get("cpu_measured_bytes_per_s")
     if not rate or not measured or measured <= rate:
         return ""
+    call = state.get("cpu_measured_call_s") if with_call else None
+    if call:
+        return (f" (measured {byte_rate(measured, decimals)} + {call * 1e6:.0f} µs a call, its rate clamped to the "
+                f"host's streaming read)")
     return f" (measured {byte_rate(measured, decimals)}, clamped to the host's streaming read)"
 
 

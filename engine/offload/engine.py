@@ -443,10 +443,13 @@ class OffloadEngine(DenseLanding):
     def cpu_rate_state(self, rate: CpuRate) -> dict:
         """What `rate` prices a CPU miss at: {"cpu_bytes_per_s": the rate in force (CpuRate.priced, at most the host's
         streaming read), "cpu_measured_bytes_per_s": the rate measured (CpuRate.value), both None until measured,
-        "cpu_call_s": a call's fixed seconds in force (0 until fitted)}."""
-        measured = rate.value
-        in_force, call_s = (measured, rate.fixed_s) if self.device is None else rate.priced(self.device.bandwidths.cpu)
-        return {"cpu_bytes_per_s": in_force, "cpu_measured_bytes_per_s": measured, "cpu_call_s": call_s}
+        "cpu_call_s": a call's fixed seconds in force, "cpu_measured_call_s": the measured line's (CpuRate.fixed_s; both
+        0 until fitted)}. Where the stream holds the line, its fixed cost is made again through the calls' mean."""
+        measured, measured_call_s = rate.value, rate.fixed_s
+        in_force, call_s = ((measured, measured_call_s) if self.device is None
+                            else rate.priced(self.device.bandwidths.cpu))
+        return {"cpu_bytes_per_s": in_force, "cpu_measured_bytes_per_s": measured, "cpu_call_s": call_s,
+                "cpu_measured_call_s": measured_call_s}
 
     def observe_split_part(self, nbytes: int, seconds: float) -> None:
         """A "both" step's CPU part of `nbytes` of experts took `seconds` (not counted in its first steps)."""

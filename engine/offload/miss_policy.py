@@ -354,17 +354,18 @@ def cpu_bytes_per_s(bandwidths, cpu_rate: float | None) -> float:
     return bandwidths.cpu if cpu_rate is None else min(bandwidths.cpu, cpu_rate)
 
 
-def cpu_rate_words(in_force: float, measured: float, call_s: float, decimals: int = 0) -> str:
+def cpu_rate_words(in_force: float, measured: float, call_s: float, measured_call_s: float, decimals: int = 0) -> str:
     """'85 GB/s + 129 µs a call': the CPU's rate in force (cpu_bytes_per_s) and a call's fixed cost, with the measured
-    rate beside it where the host's streaming read held it lower: '85 GB/s + 129 µs a call (measured 140, clamped to
-    the stream)'. A report of the measured rate alone said a rate that neither the miss policy nor the split priced.
-    Rates under 1 GB/s in MB/s or kB/s (units.byte_rate): a slow host's 0.3 GB/s read '0 GB/s', as if free."""
-    rate = byte_rate(in_force, decimals)
-    words = f"{rate} + {call_s * 1e6:.0f} µs a call"
+    line beside it where the host's streaming read held its rate lower: '40 GB/s + 6 µs a call (measured 60 GB/s +
+    100 µs a call, its rate clamped to the stream)'. A report of the measured rate alone said a rate that neither the
+    miss policy nor the split priced; the measured rate beside the fixed cost in force alone ('40 GB/s + 6 µs a call
+    (measured 60, clamped to the stream)') read as a line of 60 GB/s + 6 µs, which nobody measured nor priced: the
+    held line's fixed cost is its own, made through the calls' mean (CpuRate.priced). Rates under 1 GB/s in MB/s or
+    kB/s (units.byte_rate): a slow host's 0.3 GB/s read '0 GB/s', as if free."""
+    words = f"{byte_rate(in_force, decimals)} + {call_s * 1e6:.0f} µs a call"
     if measured > in_force:
-        said = byte_rate(measured, decimals)
-        number, unit = said.split(" ")
-        words += f" (measured {number if rate.endswith(unit) else said}, clamped to the stream)"  # (its unit where new)
+        line = f"{byte_rate(measured, decimals)} + {measured_call_s * 1e6:.0f} µs a call"
+        words += f" (measured {line}, its rate clamped to the stream)"
     return words
 
 
