@@ -455,9 +455,10 @@ def cpu_calibration(path: Path, cpu_threads: int, calls: int = 60) -> dict:
 
 def calibration_words(calibration: dict, b_dram: float) -> str:
     """'CPU kernels alone: 101.6 GB/s = 80% of B_dram (127.4 GB/s; node ..., cold routing, 16 threads, 0.614 ms a
-    call, median of 60; took 1.2 s; steal 0.0%, other processes 0.3% of the CPUs' time)' against `b_dram`."""
+    call, median of 60; took 1.2 s; steal 0.0%, other processes 0.3% of the CPUs' time)' against `b_dram`. Rates under
+    1 GB/s in MB/s or kB/s (units.byte_rate): a small model's kernels on a busy host read '0.0 GB/s', as if free."""
     alone = calibration["bytes_per_s"]
-    return (f"CPU kernels alone: {alone / 1e9:.1f} GB/s = {alone / b_dram:.0%} of B_dram ({b_dram / 1e9:.1f} GB/s; "
+    return (f"CPU kernels alone: {byte_rate(alone, 1)} = {alone / b_dram:.0%} of B_dram ({byte_rate(b_dram, 1)}; "
             f"node {calibration['node']}, cold routing, {counted(calibration['threads'], 'thread')}, "
             f"{calibration['call_s'] * 1e3:.3f} ms a call, median of {calibration['calls']}; "
             f"took {calibration['seconds']:.1f} s; {calibration['host']})")

@@ -40,7 +40,7 @@ from engine.offload.miss_policy import cpu_rate_words  # noqa: E402
 from engine.offload.placement import LayerSlots, make_policy  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.offload.traces import uniform_trace  # noqa: E402
-from engine.units import counted  # noqa: E402
+from engine.units import byte_rate, counted  # noqa: E402
 
 
 def threads_now() -> int:
@@ -263,15 +263,15 @@ def chain_parts(worker, jobs: list) -> dict:
 
 def split_inputs(engine, layer: int) -> str:
     """What the split's table of `layer` was made from at the step's end (engine.cold_split_table): the CPU's rate and
-    fixed cost a call (in force, with the measured line where the stream clamped its rate: cpu_rate_words), the GPU's
-    tier reads, the host's gap, the share trials' choice; and the table in force, with the rows of a pair split by rows
-    where any (engine.cold_split_rows)."""
+    fixed cost a call (in force, with the measured line where the stream clamped its rate: cpu_rate_words; "no rate"
+    before any), the GPU's tier reads (in MB/s or kB/s under 1 GB/s: units.byte_rate), the host's gap, the share
+    trials' choice; and the table in force, with the rows of a pair split by rows where any (engine.cold_split_rows)."""
     rate, tier = engine.cpu_rate_state(engine.split_cpu_rate), engine.tier_read.value
     rows = engine.cold_split_rows(layer)
-    cpu = cpu_rate_words(rate["cpu_bytes_per_s"] or 0.0, rate["cpu_measured_bytes_per_s"] or 0.0, rate["cpu_call_s"],
-                         rate["cpu_measured_call_s"], 1)
+    cpu = "no rate" if rate["cpu_bytes_per_s"] is None else cpu_rate_words(
+        rate["cpu_bytes_per_s"], rate["cpu_measured_bytes_per_s"], rate["cpu_call_s"], rate["cpu_measured_call_s"], 1)
     return (f"the split's table from: CPU {cpu}, "
-            f"tier reads {'not measured' if tier is None else f'{tier / 1e9:.1f} GB/s'}, host gap "
+            f"tier reads {'not measured' if tier is None else byte_rate(tier, 1)}, host gap "
             f"{engine.host_gap.value * 1e6:.0f} µs, share {engine.share_trials.choice!r}: CPU takes "
             f"{engine.cold_split_table(layer).tolist()} of 0..k cold pairs"
             + (f", a pair split at rows {rows.tolist()}" if rows is not None and rows.any() else ""))

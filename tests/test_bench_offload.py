@@ -451,7 +451,7 @@ def test_the_cpu_kernels_alone_are_measured_once_at_the_start_and_each_cpu_point
     # every expert resident: no CPU kernel ran in the timed steps, and no rate is read against the calibration
     assert not any("cpu_kernels" in figure for name, figure in decodes.items() if "100% resident" in name)
     printed = capsys.readouterr().out
-    assert (f"\nCPU kernels alone: {alone / 1e9:.1f} GB/s = {alone / 40e9:.0%} of B_dram (40.0 GB/s; node "
+    assert (f"\nCPU kernels alone: {byte_rate(alone, 1)} = {alone / 40e9:.0%} of B_dram (40.0 GB/s; node "
             f"{entry['node']}, cold routing, 1 thread, {entry['call_s'] * 1e3:.3f} ms a call, median of 60; "
             f"took {entry['seconds']:.1f} s; {entry['host']})\n") in printed
     ratio = point["cpu_kernels"]["average_to_calibration"]
@@ -475,6 +475,19 @@ def test_a_points_line_gives_its_ratio_to_each_of_its_bounds(tmp_path, monkeypat
     # the misses as the trace lines give them: 'misses cpu/copied 0/0/read 256' read as a third count of two names
     assert (f"  misses cpu/copied/read {point['misses_cpu']}/{point['misses_copied']}/{point['misses_read']}, "
             f"decode path ") in line
+
+
+def test_the_cpu_kernels_alone_are_said_in_mb_per_s_under_1_gb_per_s():
+    # a small model's kernels on a busy host (40 MB/s) read "0.0 GB/s", as if free
+    from benchmarks.bench_offload import calibration_words
+
+    calibration = {"bytes_per_s": 0.04e9, "node": "layer0", "threads": 2, "call_s": 0.5e-3, "calls": 60,
+                   "seconds": 0.1, "host": "steal 0.0%"}
+    assert calibration_words(calibration, 0.8e9) == (
+        "CPU kernels alone: 40.0 MB/s = 5% of B_dram (800.0 MB/s; node layer0, cold routing, 2 threads, 0.500 ms a "
+        "call, median of 60; took 0.1 s; steal 0.0%)")
+    assert calibration_words({**calibration, "bytes_per_s": 101.6e9}, 127.4e9).startswith(
+        "CPU kernels alone: 101.6 GB/s = 80% of B_dram (127.4 GB/s; ")
 
 
 def test_a_points_cpu_rate_is_the_one_in_force_with_the_measured_one_beside_it(tmp_path):

@@ -62,6 +62,11 @@ def test_the_split_tables_inputs_are_said_with_the_table_in_force():
         "'one fewer': CPU takes [0, 1, 1, 2, 3, 3, 4, 5, 6] of 0..k cold pairs")
     engine.tier_read.value = 27.4e9
     assert "tier reads 27.4 GB/s" in split_inputs(engine, 0)
+    # rates under 1 GB/s in MB/s ("0.0 GB/s" read as free), and none said so: "CPU 0.0 kB/s + 0 µs a call"
+    engine.tier_read.value = 0.04e9
+    assert "tier reads 40.0 MB/s, " in split_inputs(engine, 0)
+    engine.split_cpu_rate = SimpleNamespace(value=None, fixed_s=0.0)
+    assert split_inputs(engine, 0).startswith("the split's table from: CPU no rate, tier reads 40.0 MB/s, ")
     engine.cold_split_rows = lambda layer: np.array([0, 0, 0, 0, 0, 0, 0, 0, 384])  # a pair split by rows at c = 8
     assert split_inputs(engine, 0).endswith("of 0..k cold pairs, a pair split at rows [0, 0, 0, 0, 0, 0, 0, 0, 384]")
     engine.cold_split_rows = lambda layer: np.zeros(9, np.int32)
