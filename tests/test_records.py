@@ -922,6 +922,26 @@ def test_a_sweep_says_what_its_warm_up_before_the_first_point_took(monkeypatch):
         "budget share 50% (device_expert_bytes=282624), took 45.1 ms")
 
 
+def test_a_sweep_stopped_in_its_first_warm_up_says_so_and_leaves_no_warm_up_time(monkeypatch):
+    """A sweep cancelled during its warm-up answer before the first point left that cut-short answer's seconds in
+    model.warm_up_s: the next record said them as its warm-up, and gave none of its own. The stopped answer's seconds
+    are no warm-up's: the sweep says it stopped in that answer, and the next record warms the model up itself."""
+    from engine.records import scenarios
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    cancel, warmed, real_warm_up = threading.Event(), [], scenarios.warm_up_answer
+    cancel.set()  # the answer stops at its first token
+    with pytest.raises(SweepCancelled) as cancelled:
+        run_sweep(model, device, 2, ["short"], GenerationParams(max_new_tokens=2), cancel=cancel, repeats=1)
+    assert stopped_at(cancelled.value) == "before the first point, in its unrecorded warm-up answer"
+    assert model.warm_up_s is None  # as loaded: the warm-up is still to give
+    monkeypatch.setattr(scenarios, "warm_up_answer", lambda model, cancel=None: warmed.append(
+        real_warm_up(model, cancel)) or warmed[-1])
+    record = run_scenario(model, "short", GenerationParams(max_new_tokens=2))
+    assert len(warmed) == 1 and warmed[0] > 0 and record.timings["warm_up_s"] == warmed[0]
+
+
 def test_a_sweeps_failure_names_the_run_of_its_point_that_failed(monkeypatch):
     """A failed sweep said at which point it stopped ("point 1 of 2") but not which of the point's runs failed: its
     unrecorded warm-up answer, or which scenario, in which repeat. The point's note names it."""

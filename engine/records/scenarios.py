@@ -283,20 +283,23 @@ def _settle(model: LoadedModel, cancel: threading.Event | None) -> tuple[float, 
     if cancel is not None and cancel.is_set():
         return settle_s, 0.0
     settle_s += warm_model(model) + model.decoder.kernel_threads.settle()
-    if model.warm_up_s is None:
-        warm_up_answer(model, cancel)
+    if model.warm_up_s is None and warm_up_answer(model, cancel) is None:
+        return settle_s, 0.0  # stopped: the model gives its warm-up again before its next timed run
     warm_up_s, model.warm_up_s = model.warm_up_s, 0.0  # said by this record, not by the next ones
     return settle_s, warm_up_s
 
 
-def warm_up_answer(model: LoadedModel, cancel: threading.Event | None = None) -> float:
+def warm_up_answer(model: LoadedModel, cancel: threading.Event | None = None) -> float | None:
     """A short greedy answer, not recorded, that pays what a model's first answer after its load pays (onnxruntime's
     first runs, its arena's growth, the placement's first steps: on the dev VM a first short record on the gptoss
     fixture took 56 ms against 23-26 ms for the next ones); returns its seconds. Each timed run after it starts from
-    the same warm state, as the sweep's and the contention test's runs do."""
+    the same warm state, as the sweep's and the contention test's runs do. None where `cancel` stopped it: a cut-short
+    answer's seconds are no warm-up's, so model.warm_up_s stays as it was (None: the warm-up is still to give)."""
     started = time.perf_counter()
-    Conversation(model).send(scenario_turns("short", model.tokenizer, model.config, WARM_UP_TOKENS)[0],
-                             GenerationParams(max_new_tokens=WARM_UP_TOKENS), cancel=cancel)
+    result = Conversation(model).send(scenario_turns("short", model.tokenizer, model.config, WARM_UP_TOKENS)[0],
+                                      GenerationParams(max_new_tokens=WARM_UP_TOKENS), cancel=cancel)
+    if result.finish_reason == "cancelled":
+        return None
     model.warm_up_s = time.perf_counter() - started  # the next record says it (a sweep says its own instead)
     return model.warm_up_s
 

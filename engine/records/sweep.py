@@ -338,7 +338,16 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
     loaded_budget = model.offload.plan.budget_bytes
     # (an automatic budget may be far above what every expert resident takes: a share above 100% would read as more)
     loaded_share = min(1.0, loaded_budget / all_resident_bytes(model.offload.infos))
-    seconds = warm_up_answer(model, cancel)
+    in_warm_up = f"before the first point, in its {WARM_UP_RUN}"  # (where it stopped, as a point's run is named)
+    try:
+        seconds = warm_up_answer(model, cancel)
+    except BaseException as exc:  # Ctrl-C's too
+        exc.add_note(in_warm_up)
+        raise
+    if seconds is None:  # stopped: its cut-short seconds are no warm-up's, and the sweep says where it stopped
+        cancelled = SweepCancelled("the sweep was cancelled in its warm-up answer, before its first point")
+        cancelled.add_note(in_warm_up)
+        raise cancelled
     if cancel is not None and cancel.is_set():
         raise SweepCancelled("the sweep was cancelled before its first point")
     # said here, not by a record: the first point's unrecorded answer would take it for its own, thrown away
@@ -392,6 +401,10 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
                     raise
 
 
+# what a sweep's note (stopped_at) calls its answer before the first point, and each point's before its runs
+WARM_UP_RUN = "unrecorded warm-up answer"
+
+
 class SweepCancelled(WorkbenchError):
     """A sweep stopped by its `cancel` event."""
 
@@ -412,7 +425,7 @@ def _point_name(fraction: float, budget: int, split: str | None, index: int, cou
 def stopped_at(exc: BaseException) -> str:
     """Where run_sweep stopped on `exc`: the point its note names ("at budget share 50% (device_expert_bytes=282624),
     point 2 of 3", and where one of its runs failed which: ", in its long run (repeat 2 of 3)"), or before its first
-    point (the warm-up)."""
+    point (", in its unrecorded warm-up answer" where that answer failed or was stopped)."""
     return (getattr(exc, "__notes__", None) or ["before the first point"])[-1]
 
 
@@ -461,7 +474,7 @@ def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, 
         length = min(WARM_UP_TOKENS, params.max_new_tokens)  # the model's warm-up answer's, or the sweep's if shorter
         warm_up = run_scenario(model, "short", GenerationParams(max_new_tokens=length), device, cancel=cancel)
     except Exception as exc:
-        exc.sweep_run = "unrecorded warm-up answer"  # (a short one, whatever the scenarios)
+        exc.sweep_run = WARM_UP_RUN  # (a short one, whatever the scenarios)
         raise
     if cancel is not None and cancel.is_set():  # (not said by whatever runs on the model next)
         return None
