@@ -1093,7 +1093,8 @@ def _print_sweep(points: list, chosen, args, ids_of: dict, warm_up: dict) -> Non
     that stopped early recommends none); `ids_of`: each point's runs' history ids (by id(point)), which its JSON row
     gives; `warm_up`: the unrecorded answer before the first point (budget_bytes, fraction, seconds; empty where it
     did not finish), which no point's runs time."""
-    from engine.records.sweep import copy_slots_line, device_parts_line, uses_projection, warm_up_line
+    from engine.records.sweep import (copy_slots_line, device_parts_line, point_warm_ups_line, uses_projection,
+                                      warm_up_line)
 
     rows = [p.as_dict() for p in points]
     projected = uses_projection(points)
@@ -1152,8 +1153,11 @@ def _print_sweep(points: list, chosen, args, ids_of: dict, warm_up: dict) -> Non
     if not args.json:  # on standard error: the rows stay the table a script reads
         parts = device_parts_line(points)  # (a stopped sweep's points too: its line after them says where it stopped)
         copies = copy_slots_line(points)  # (what "resident share" leaves out, said next to it)
+        warm_ups = point_warm_ups_line(points)
         if warm_up:
             print(f"sweep: {warm_up_line(**warm_up)}", file=sys.stderr)
+        if warm_ups:
+            print(f"sweep: {warm_ups}", file=sys.stderr)
         if copies:
             print(f"sweep: {copies}", file=sys.stderr)
         if parts:

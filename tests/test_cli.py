@@ -516,6 +516,23 @@ def test_a_sweep_prints_its_warm_up_before_the_first_point_beside_its_points(tmp
         "budget, budget share 50% (device_expert_bytes=282624), took 45.1 ms") in err.splitlines()
 
 
+def test_a_sweep_says_the_warm_up_every_run_of_a_point_follows(tmp_path, capsys):
+    """A point's unrecorded answer at its budget was said by its first record alone: a line and each JSON row say what
+    every point's took, which all its runs follow, and each record says it."""
+    history = str(tmp_path / "h.sqlite")
+    args = ("sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--history", history, "--points", "2",
+            "--max-new-tokens", "1", "--scenario", "short", "--repeats", "2")
+    status, out, _err = _main(capsys, *args, "--json")
+    rows = json.loads(out)["points"]
+    assert status == 0 and all(row["warm_up_s"] > 0 for row in rows)
+    status, out, _err = _main(capsys, "history", "--history", history, "--id", *map(str, rows[1]["record_ids"]))
+    assert [record["timings"]["point_warm_up_s"] for record in json.loads(out)] == [rows[1]["warm_up_s"]] * 2
+    status, _out, err = _main(capsys, *args)
+    assert status == 0 and re.search(r"^sweep: every run of a point follows its unrecorded warm-up answer at the "
+                                     r"point's budget \(its records' point_warm_up_s\), which took: budget share 0%: "
+                                     r"[\d.]+ [mµ]?s, budget share 100%: [\d.]+ [mµ]?s$", err, re.MULTILINE)
+
+
 def test_sweep_checks_its_arguments_before_it_runs(tmp_path, capsys):
     gptoss = str(fixture_folder("gptoss"))
     common = ("--device", "simulated", "--history", str(tmp_path / "h.sqlite"))

@@ -1322,6 +1322,11 @@ def test_a_window_sweep_says_what_its_warm_up_before_the_first_point_took(qtbot,
     qtbot.addWidget(view)
     view.on_finished(result)
     assert view.legend.text().endswith(f" {said}")
+    # and each point's own, which every one of its runs follows
+    warm_ups = [duration_text(point.warm_up_s) for point in result.points]
+    assert (" Every run of a point follows its unrecorded warm-up answer at the point's budget (its records' "
+            f"point_warm_up_s), which took: budget share 0%: {warm_ups[0]}, budget share 100%: {warm_ups[1]}.") in \
+        view.legend.text()
     view.on_finished(replace(result, points=result.points[:1], stopped_at="at budget share 100%"))
     assert view.legend.text().endswith(f" {said}") and view.bar.status.text().startswith("Cancelled at budget")
     view.on_finished(replace(result, warm_up=""))  # a sweep stopped in its warm-up

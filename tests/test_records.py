@@ -893,6 +893,36 @@ def test_each_sweep_points_first_record_says_the_seconds_of_its_unrecorded_answe
         [unrecorded[0], 0.0], [unrecorded[1], 0.0]]
 
 
+def test_every_record_of_a_sweep_point_says_the_warm_up_it_follows(monkeypatch):
+    """Only a point's first record said its unrecorded answer at the budget (warm_up_s); the others said 0, though
+    every run of the point follows that answer, so one compared with another point's first read as timed without a
+    warm-up. Each record says it (point_warm_up_s), as do the point's row and a line of the points'."""
+    from engine.records import sweep
+    from engine.units import duration_text
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    unrecorded, real_run = [], sweep.run_scenario
+
+    def run(*args, **kwargs):
+        record = real_run(*args, **kwargs)
+        if not kwargs.get("label"):  # the point's answer before its runs
+            unrecorded.append(record.timings["completion_s"])
+        return record
+
+    monkeypatch.setattr(sweep, "run_scenario", run)
+    points = run_sweep(model, device, 2, ["short"], GenerationParams(max_new_tokens=2), repeats=2)
+    assert len(unrecorded) == 2 and all(seconds > 0 for seconds in unrecorded)
+    assert [[record.timings["point_warm_up_s"] for record in point.records] for point in points] == [
+        [unrecorded[0]] * 2, [unrecorded[1]] * 2]
+    assert [point.as_dict()["warm_up_s"] for point in points] == unrecorded
+    assert sweep.point_warm_ups_line(points) == (
+        "every run of a point follows its unrecorded warm-up answer at the point's budget (its records' "
+        f"point_warm_up_s), which took: budget share 0%: {duration_text(unrecorded[0])}, budget share 100%: "
+        f"{duration_text(unrecorded[1])}")
+    assert sweep.point_warm_ups_line([SweepPoint(0, 0.0)]) == ""  # a point that gave none
+
+
 def test_a_sweep_says_what_its_warm_up_before_the_first_point_took(monkeypatch):
     """A sweep answers once, unrecorded, at the model's loaded budget before its first point: no point's record said
     that answer's seconds (the first point's thrown-away answer took them), so nothing told what it cost. The sweep

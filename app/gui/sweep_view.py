@@ -24,7 +24,7 @@ from engine.records.lengths import SWEEP_REPEATS, SWEEP_TOKENS
 REPEATS_MAX = 9  # a sweep's runs at each budget, at most (each repeat is a whole pass over the scenarios)
 from engine.records.scenarios import SCENARIOS
 from engine.records.sweep import (DISABLED_REFUSED, Recommendation, SweepPoint, device_parts_line,
-                                  reasoning_length_note, recommendation, uses_projection)
+                                  point_warm_ups_line, reasoning_length_note, recommendation, uses_projection)
 from engine.units import counted, decode_rate, duration_text, human_bytes
 
 KIND = "sweeping"
@@ -62,14 +62,17 @@ def left_out_words(left: list[int]) -> str:
             "which the prefill gives, so there was no decode step to time.")
 
 
-def legend_text(projected: bool, whole: bool, left: list[int], parts: str = "", warm_up: str = "") -> str:
+def legend_text(projected: bool, whole: bool, left: list[int], parts: str = "", warm_up: str = "",
+                warm_ups: str = "") -> str:
     """What the plots' lines and marks are, said once beside them (a plot's title sets its column's width); `parts`:
     what the device peaks are made of (device_parts_line); `warm_up`: what the unrecorded answer before the first
-    point took (warm_up_line), which no point's runs time."""
+    point took (warm_up_line), which no point's runs time; `warm_ups`: what each point's took, which all its runs
+    follow (point_warm_ups_line)."""
     return " ".join(["Solid line, dots: measured on this machine.",
                      *(["Dashed, triangles: projected for the simulated card."] if projected else []),
                      *(["Squares: on whole layers."] if whole else []), "Red ring: the recommended budget.",
                      *([f"{parts[:1].upper()}{parts[1:]}."] if parts else []),
+                     *([f"{warm_ups[:1].upper()}{warm_ups[1:]}."] if warm_ups else []),
                      *([left_out_words(left)] if left else []),
                      *([f"{warm_up[:1].upper()}{warm_up[1:]}."] if warm_up else [])])
 
@@ -358,7 +361,7 @@ class SweepView(QWidget):
             self.chosen[key].setData([], [])
             self.marks[key].hide()
         self.legend.setText(legend_text(self.projected, any(p.split == "whole" for p in points), left,
-                                        device_parts_line(points), warm_up))
+                                        device_parts_line(points), warm_up, point_warm_ups_line(points)))
         self.legend.show()
 
     def x(self, point: SweepPoint) -> float:

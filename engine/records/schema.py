@@ -59,7 +59,9 @@ class RunRecord:
     # settle_s (optional: seconds waited before the run for the model's background work after load and the CPU
     # kernels' compilation, engine/kernel_warmup.py); warm_up_s (optional: seconds of the unrecorded short answer
     # given before the model's first timed run after its load, or a sweep point's first at its budget, 0 for the runs
-    # after it; absent in older records, and 0 in a sweep's written before its points said theirs);
+    # after it; absent in older records, and 0 in a sweep's written before its points said theirs); point_warm_up_s
+    # (a sweep's records; absent in others and in older ones): the seconds of the point's unrecorded answer at its
+    # budget, which every run of the point follows, its first's warm_up_s too;
     # on a simulated device also "projected" (optional, absent in older records): decode_tokens_per_s, prefill_s,
     # completion_s on the simulated card and the bandwidths assumed (engine/offload/projection.py)
     peaks: dict                           # device_bytes, process_device_bytes, rss_bytes, rss_start_bytes,

@@ -44,6 +44,9 @@ class SweepPoint:
     # the one --layer-split fixed, the engine's trial kept, or the spread where no trial ran, as with the plan's host
     # tier), None where the two hold the same
     split_run: str | None = None
+    # the seconds of the point's unrecorded answer at its budget before its runs, which every one of them follows
+    # (each record's point_warm_up_s); None where it gave none (a point made by hand)
+    warm_up_s: float | None = None
 
     def repeat_runs(self) -> list[list[RunRecord]]:
         """The point's records, one list (every scenario's run) a repeat."""
@@ -164,7 +167,7 @@ class SweepPoint:
                 "decode_tokens_per_s": self.decode_tokens_per_s, "peak_device_bytes": self.peak_device_bytes,
                 "peak_rss_bytes": self.peak_rss_bytes, "settle_steps": self.settle_steps,
                 "decode_path": self.decode_path, "repeats": self.repeats, "device_parts": self.device_parts,
-                "layer_split_run": self.split_run,
+                "layer_split_run": self.split_run, "warm_up_s": self.warm_up_s,
                 "repeat_completion_s": self.repeat_seconds(projected=False),
                 **({"routing_agreement": self.routing_agreement} if self.routing_agreement is not None else {}),
                 **({"projected_completion_s": self.projected_completion_s,
@@ -462,7 +465,8 @@ def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, 
     The unrecorded answer puts every point's runs after the same warm state: settle decodes only where the engine has
     trials to run (none with every expert resident), and whatever a plan's first answer costs (its first prefill on
     the re-planned slots, the placement's first steps) would otherwise fall in one point's runs and not another's. The
-    point's first record says its seconds (warm_up_s), the records after it 0."""
+    point's first record says its seconds (warm_up_s), the records after it 0, as a model's records after its load
+    do; every record of the point says them too (point_warm_up_s), all of them following that answer."""
     if fraction is None:  # the point is what ran: its budget, share, label and the recommendation saved
         fraction = budget / all_resident_bytes(model.offload.infos)
     if on_settle:
@@ -480,7 +484,7 @@ def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, 
         return None
     # said by the point's first record, as a model's first record after its load says its warm-up: what the first
     # answer at this budget took, which no record of the point times (its 0 read as "nothing was paid before it")
-    model.warm_up_s = warm_up.timings["completion_s"]
+    point.warm_up_s = model.warm_up_s = warm_up.timings["completion_s"]
     infos = model.offload.infos
     if 0 < whole_layers_held(infos, budget) < sum(1 for info in infos if info.gpu is not None):
         point.split_run = WHOLE if model.offload.whole_layers else SPREAD
@@ -490,11 +494,15 @@ def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, 
             if cancel is not None and cancel.is_set():
                 return None
             try:
-                point.records.append(run_scenario(model, scenario, params, device, label=tag, cancel=cancel,
-                                                  on_text=on_text, length_setting=length_setting))
+                record = run_scenario(model, scenario, params, device, label=tag, cancel=cancel, on_text=on_text,
+                                      length_setting=length_setting)
             except Exception as exc:  # the point's note names the scenario: several run at each point
                 exc.sweep_run = f"{scenario} run" + (f" (repeat {repeat + 1} of {repeats})" if repeats > 1 else "")
                 raise
+            # every run follows the point's answer, which the first's warm_up_s alone says: the others' 0 would read,
+            # beside another point's first, as timed without one
+            record.timings["point_warm_up_s"] = point.warm_up_s
+            point.records.append(record)
             if cancel is not None and cancel.is_set():
                 return None
             on_run()
@@ -512,6 +520,17 @@ def device_parts_line(points: list[SweepPoint]) -> str:
     if any(TIER_MAPPINGS in point.device_parts for point in points):
         why = f" ({TIER_MAPPINGS_WHY}; with every expert resident none is mapped)"
     return f"device peak by part: {'; '.join(said)}{why}"
+
+
+def point_warm_ups_line(points: list[SweepPoint]) -> str:
+    """What each point's unrecorded answer at its budget took, which all its runs follow (not only its first, whose
+    record alone says warm_up_s), in one line; "" where no point gave one."""
+    said = [f"budget share {point.fraction:.0%}{f' {point.split}' if point.split else ''}: "
+            f"{duration_text(point.warm_up_s)}" for point in points if point.warm_up_s is not None]
+    if not said:
+        return ""
+    return ("every run of a point follows its unrecorded warm-up answer at the point's budget (its records' "
+            f"point_warm_up_s), which took: {', '.join(said)}")
 
 
 def copy_slots_line(points: list[SweepPoint]) -> str:
