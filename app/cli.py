@@ -1240,7 +1240,7 @@ def _cmd_contention(args) -> int:
     params = GenerationParams(max_new_tokens=args.max_new_tokens or scenario_answer_tokens(model, args.scenario),
                               sampling=sampling)
     # the long input on a short context refused as record refuses it, not after the warm-up's indexing (minutes)
-    scenario_turns(args.scenario, model.tokenizer, model.config, params.max_new_tokens)
+    scenario_turns(args.scenario, model.tokenizer, model.config, params.max_new_tokens, params.reasoning)
 
     def inference() -> float:
         try:

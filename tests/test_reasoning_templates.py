@@ -222,3 +222,28 @@ def test_a_stop_string_naming_a_special_token_applies_to_the_answer_not_the_reas
                              ("<|im_end|>",))
     assert (result.finish_reason, result.reasoning, result.text, shown) == (
         "stop_string", "A turn ends with .", "Hello!", "Hello!")
+
+
+
+def test_the_long_input_is_counted_as_the_run_renders_it_with_its_reasoning_setting(copy_fixture):
+    """The long scenario's input was counted as the template renders it without its variables, where the run renders
+    it with the answers' reasoning setting: with thinking off, Qwen3's template writes an empty think block after the
+    prompt, which the count left out, so a context that held the count and the answer but not the prompt as fed passed
+    the check. Counted with the setting, the scenario is refused before it runs, naming the tokens it needs."""
+    from engine.records.scenarios import run_scenario
+    from tests.reasoning_models import THINK_TEMPLATE
+
+    folder = copy_fixture("lfm2moe")  # (the block in tokens of its own vocabulary: the fixture's weights run them)
+    (folder / "chat_template.jinja").write_text(THINK_TEMPLATE.replace("{{ opening }}", (
+        "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}")))
+    fed = run_scenario(LoadedModel.open(folder), "long", GenerationParams(max_new_tokens=1, reasoning="off")).turns[0][
+        "prompt_tokens"]
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["context_length"] = config["search"]["max_length"] = fed + 7  # the prompt as fed and 7 tokens
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    model = LoadedModel.open(folder)
+    with pytest.raises(PromptError, match=f"^the long-input scenario needs a context of at least {fed + 8} tokens; the "
+                                          f"model has {fed + 7}$"):
+        run_scenario(model, "long", GenerationParams(max_new_tokens=8, reasoning="off"))
+    assert run_scenario(model, "long", GenerationParams(max_new_tokens=7, reasoning="off")).turns[0][
+        "generated_tokens"] == 7  # what fits: the count is the run's

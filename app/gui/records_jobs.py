@@ -293,7 +293,7 @@ class SweepJob:
                                  "simulated GPU or the CUDA GPU (Budgets panel).")
         check_mode(model.offload.config.mode)  # refused in the command line's words, before anything runs
         params = answer_params(self.max_new_tokens, record_sampling(model, self.answers, self.chat_options))
-        scenarios, skipped = fitting_scenarios(model, self.scenarios, params.max_new_tokens)
+        scenarios, skipped = fitting_scenarios(model, self.scenarios, params.max_new_tokens, params.reasoning)
         history = History(self.history_path)  # a bad history file refused before the sweep runs
         history.check_writable()
         original, held_before = model.offload.config, model.offload.plan.budget_bytes
@@ -522,7 +522,7 @@ class ContentionJob:
             raise WorkbenchError(f"the indexing needs at least 1 worker process, got {self.workers}")
         params = scenario_params(model, self.scenario, self.max_new_tokens)
         try:  # the long input on a short context, in Record's words, before the corpus is made and indexed (minutes)
-            scenario_turns(self.scenario, model.tokenizer, model.config, params.max_new_tokens)
+            scenario_turns(self.scenario, model.tokenizer, model.config, params.max_new_tokens, params.reasoning)
         except PromptError as exc:
             raise PromptError(f"{self.scenario}: {exc}") from None
         ctx.progress(0.0, "preparing the corpus" if not self.corpus else phase_after(0.0))

@@ -16,6 +16,7 @@ from engine.host_load import HostLoadMeter
 from engine.kernel_warmup import warm_model
 from engine.offload.projection import is_simulated, project_run
 from engine.nvml import Nvml
+from engine.reasoning import reasoning_variables
 from engine.records.environment import machine, versions
 from engine.records.lengths import SCENARIO_TOKENS
 from engine.records.schema import ALL_RESIDENT, RunRecord, generation_settings, model_identity
@@ -39,16 +40,18 @@ _PASSAGE = ("Mixture-of-experts language models route every token through a few 
             "and the rest are computed on the CPU or copied in just in time. ")
 
 
-def scenario_turns(name: str, tokenizer, config, max_new_tokens: int) -> list[str]:
+def scenario_turns(name: str, tokenizer, config, max_new_tokens: int, reasoning: str | None = None) -> list[str]:
     """The scenario's messages; the long input refused where the model's sequences (GenaiConfig.longest_sequence: the
-    context, or search.max_length below it) cannot hold it and the answer. The multiturn's are not checked here: the
-    room its later turns have depends on the answers before them, and run_scenario refuses the first that has none."""
+    context, or search.max_length below it) cannot hold it and the answer, its tokens counted as the run renders it,
+    with the answers' reasoning setting (`reasoning`, GenerationParams.reasoning). The multiturn's are not checked
+    here: the room its later turns have depends on the answers before them, and run_scenario refuses the first that
+    has none."""
     if name == "short":
         return ["In two sentences, what does a CPU/GPU expert offload engine do?"]
     if name == "multiturn":
         return list(MULTITURN_QUESTIONS)
     if name == "long":
-        prompt, prompt_tokens = _long_prompt(tokenizer)
+        prompt, prompt_tokens = _long_prompt(tokenizer, reasoning)
         needed = prompt_tokens + max_new_tokens
         if config.search.max_length < min(needed, config.context_length):
             raise PromptError(f"the long-input scenario needs sequences of at least {needed} tokens; the model's "
@@ -63,34 +66,39 @@ def scenario_turns(name: str, tokenizer, config, max_new_tokens: int) -> list[st
 def scenario_answer_tokens(model: LoadedModel, name: str) -> int:
     """A scenario's answer length where the user sets none: the model's (LoadedModel.answer_tokens: SCENARIO_TOKENS
     for one that answers at once); the long scenario's within what the model's sequences (the context, or
-    search.max_length below it) leave after its input, but not below SCENARIO_TOKENS (scenario_turns refuses sequences
-    too short for that)."""
+    search.max_length below it) leave after its input, rendered as the records that take this length render it (the
+    template's own reasoning default), but not below SCENARIO_TOKENS (scenario_turns refuses sequences too short for
+    that)."""
     tokens = model.answer_tokens(SCENARIO_TOKENS)
     if name == "long":
-        _prompt, prompt_tokens = _long_prompt(model.tokenizer)
+        _prompt, prompt_tokens = _long_prompt(model.tokenizer, None)
         return min(tokens, max(SCENARIO_TOKENS, model.config.longest_sequence - prompt_tokens))
     return tokens
 
 
-# tokenizer -> (its chat template, _long_prompt's (prompt, tokens) rendered with it): building it renders and encodes
-# the growing prompt ~100 times (~0.2 s on the fixtures), and a record, a sweep's every run and the answer length each
-# ask for it. Weak on the tokenizer: a closed model's goes with it.
+# tokenizer -> (its chat template, {reasoning setting: _long_prompt's (prompt, tokens) rendered with them}): building
+# it renders and encodes the growing prompt ~100 times (~0.2 s on the fixtures), and a record, a sweep's every run and
+# the answer length each ask for it. Weak on the tokenizer: a closed model's goes with it.
 _LONG_PROMPTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _long_prompt(tokenizer) -> tuple[str, int]:
+def _long_prompt(tokenizer, reasoning: str | None) -> tuple[str, int]:
     """A report whose chat-rendered prompt is just over LONG_PROMPT_TOKENS tokens, and its tokens: the word that
-    passes the target may take several of the model's tokens. Made once for each tokenizer and chat template."""
+    passes the target may take several of the model's tokens. Rendered as a run with the `reasoning` setting renders
+    it (Conversation.send: Qwen3's thinking off adds an empty think block). Made once for each tokenizer, chat
+    template and setting."""
     template = getattr(tokenizer, "chat_template", None)
     made = _LONG_PROMPTS.get(tokenizer)
     if made is None or made[0] is not template:  # another template renders other tokens around the prompt
-        made = _LONG_PROMPTS[tokenizer] = (template, _make_long_prompt(tokenizer))
-    return made[1]
+        made = _LONG_PROMPTS[tokenizer] = (template, {})
+    if reasoning not in made[1]:
+        made[1][reasoning] = _make_long_prompt(tokenizer, reasoning_variables(tokenizer, reasoning))
+    return made[1][reasoning]
 
 
-def _make_long_prompt(tokenizer) -> tuple[str, int]:
+def _make_long_prompt(tokenizer, variables: dict) -> tuple[str, int]:
     def tokens(text: str) -> int:
-        return len(tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": text}])))
+        return len(tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": text}], variables=variables)))
 
     text = "Read this report and list its three main points.\n\n"
     while tokens(text + _PASSAGE) < LONG_PROMPT_TOKENS:
@@ -239,7 +247,7 @@ def run_scenario(model: LoadedModel, name: str, params: GenerationParams, device
     conversation's own refusal ends in the chat's remedy, "start a new conversation", which no scenario run can take.
     `length_setting` names the answers' length limit there as the user sets it (the window's answer length, the
     command line's --max-new-tokens)."""
-    turns_text = scenario_turns(name, model.tokenizer, model.config, params.max_new_tokens)
+    turns_text = scenario_turns(name, model.tokenizer, model.config, params.max_new_tokens, params.reasoning)
     try:
         return run_turns(model, turns_text, params, device, name, label, cancel, progress, on_text)
     except ConversationFullError as exc:

@@ -229,15 +229,16 @@ def sweep_plan(model: LoadedModel, points: int, splits: tuple[str, ...] | None =
     return plan
 
 
-def fitting_scenarios(model: LoadedModel, scenarios: list[str], max_new_tokens: int) -> tuple[list[str], str]:
-    """The scenarios scenario_turns accepts, and a line naming those it refuses (the long input on a short context) and
-    why, "" where it refuses none: a sweep skips them, as the window's Record does, rather than refusing them at its
-    first point (a multiturn whose later turns the context cannot hold still fails there). None accepted is a
-    PromptError."""
+def fitting_scenarios(model: LoadedModel, scenarios: list[str], max_new_tokens: int,
+                      reasoning: str | None = None) -> tuple[list[str], str]:
+    """The scenarios scenario_turns accepts (with the answers' `reasoning` setting, as they render), and a line naming
+    those it refuses (the long input on a short context) and why, "" where it refuses none: a sweep skips them, as the
+    window's Record does, rather than refusing them at its first point (a multiturn whose later turns the context
+    cannot hold still fails there). None accepted is a PromptError."""
     fits, skipped = [], []
     for name in scenarios:
         try:
-            scenario_turns(name, model.tokenizer, model.config, max_new_tokens)
+            scenario_turns(name, model.tokenizer, model.config, max_new_tokens, reasoning)
         except PromptError as exc:
             skipped.append((name, str(exc)))
             continue
@@ -330,7 +331,7 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
     if repeats < 1:
         raise ValueError(f"a sweep point runs its scenarios at least once, not {repeats} times")
     for name in scenarios:  # one scenario_turns refuses, refused before the first point (fitting_scenarios skips it)
-        scenario_turns(name, model.tokenizer, model.config, params.max_new_tokens)
+        scenario_turns(name, model.tokenizer, model.config, params.max_new_tokens, params.reasoning)
     results = []
     plan = sweep_plan(model, points, splits)
     ceiling = None  # the budget the device held less than: the points above it are left out
