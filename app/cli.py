@@ -975,9 +975,10 @@ def _cmd_sweep(args) -> int:
         check_saved(None, args.save_as, args.model)  # and a file, or a name, the recommendation could not be saved in
     config, device = _offload_setup(args, needs_device="a budget sweep")
     check_mode(config.mode)
-    if config.device_expert_bytes is not None:
-        print(f"warning: device_expert_bytes={config.device_expert_bytes}: no effect on a sweep, which sets the expert "
-              "budget at each point", file=sys.stderr, flush=True)
+    if config.device_expert_bytes is not None:  # (not "no effect": the load and the warm-up run at it)
+        print(f"warning: device_expert_bytes={config.device_expert_bytes}: a sweep sets the expert budget at each "
+              "point; this one sets only the budget the model loads with, at which it gives its unrecorded warm-up "
+              "answer before the first point", file=sys.stderr, flush=True)
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
     _warn_after_load(args, model)

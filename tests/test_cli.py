@@ -489,14 +489,18 @@ def test_write_model_says_which_layout_options_its_quant_type_does_not_use(tmp_p
     assert status == 0 and err == ""
 
 
-def test_a_sweep_says_it_sets_the_expert_budget_given_at_each_point(tmp_path, capsys):
+def test_a_sweep_says_it_sets_the_expert_budget_given_at_each_point(tmp_path, capsys, monkeypatch):
     """A sweep tries budgets from none to every expert: a device_expert_bytes given (or its alias) was replaced at
-    every point without a word, as though it had bounded the sweep."""
-    status, _out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--history",
-                              str(tmp_path / "h.sqlite"), "--points", "2", "--max-new-tokens", "1", "--scenario",
-                              "short", "--repeats", "1", "--offload", "gpu_budget_bytes=5")
-    assert status == 0 and ("warning: device_expert_bytes=5: no effect on a sweep, which sets the expert budget at "
-                            "each point") in err.splitlines()
+    every point without a word, as though it had bounded the sweep; then its warning said "no effect on a sweep",
+    though the model loads with that budget and answers its warm-up before the first point at it. It says so."""
+    loaded = timed_sweep_warm_up(monkeypatch)
+    status, out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--history",
+                             str(tmp_path / "h.sqlite"), "--points", "2", "--max-new-tokens", "1", "--scenario",
+                             "short", "--repeats", "1", "--offload", "gpu_budget_bytes=70656", "--json")
+    assert status == 0 and ("warning: device_expert_bytes=70656: a sweep sets the expert budget at each point; this "
+                            "one sets only the budget the model loads with, at which it gives its unrecorded warm-up "
+                            "answer before the first point") in err.splitlines()
+    assert loaded == [70656] and json.loads(out)["warm_up"]["budget_bytes"] == 70656  # (two experts' slots)
 
 
 def test_a_sweep_prints_its_warm_up_before_the_first_point_beside_its_points(tmp_path, capsys, monkeypatch):
