@@ -50,8 +50,19 @@ def _scenario_all_help(fails: str) -> str:
             "short)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (its commands' too), whose refusal of a free-text option followed by an option's name says
+    how to give a value that starts with '-' (_values_attached takes any other)."""
+
+    def error(self, message: str):
+        if re.fullmatch(f"argument ({'|'.join(FREE_TEXT)}): expected one argument", message):
+            option = message.split()[1].removesuffix(":")
+            message += f" (one that starts with '-' is given as {option}=VALUE)"
+        super().error(message)
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Run Mixture-of-Experts ONNX models with CPU/GPU expert offload.")
+    parser = _Parser(prog=PROG, description="Run Mixture-of-Experts ONNX models with CPU/GPU expert offload.")
     commands = parser.add_subparsers(dest="command")
 
     gui = commands.add_parser("gui", help="open the window (the default with no command)")
@@ -1287,20 +1298,43 @@ def require_onnxruntime() -> None:
         raise WorkbenchError(BROKEN_ONNXRUNTIME.format(one_line(exc))) from None
 
 
-def _negative_sizes_attached(argv: list[str]) -> list[str]:
-    """`--simulated-vram -8GiB` as `--simulated-vram=-8GiB`: argparse takes a value that starts with '-' and is no
-    plain number for an option, and refused the size with "expected one argument", naming neither it nor its fault."""
+# the options whose value is free text, which may start with '-' ("-hi", "-1 is negative")
+FREE_TEXT = ("--prompt", "--system", "--stop", "--label", "--model")
+
+
+def _values_attached(argv: list[str], options: set[str]) -> list[str]:
+    """Values that start with '-' attached to their option (`--prompt -hi` as `--prompt=-hi`): argparse takes such a
+    value for an option of its own, and refused it with "expected one argument", naming neither it nor its fault. A
+    negative size (`--simulated-vram -8GiB`) is attached to be refused as no size; free text unless it names an
+    option of `options` (`--prompt --json` lacks its prompt, and is refused so), or abbreviates one as argparse
+    takes it."""
     attached = []
     for arg in argv:
-        if attached and attached[-1] == "--simulated-vram" and re.fullmatch(r"-[0-9.]+ *[A-Za-z]+", arg):
+        after = attached[-1] if attached else ""
+        name = arg.partition("=")[0]
+        if (after == "--simulated-vram" and re.fullmatch(r"-[0-9.]+ *[A-Za-z]+", arg)
+                or after in FREE_TEXT and arg.startswith("-") and name not in options
+                and not (name.startswith("--") and any(option.startswith(name) for option in options))):
             attached[-1] += f"={arg}"
         else:
             attached.append(arg)
     return attached
 
 
+def _option_names(parser: argparse.ArgumentParser) -> set[str]:
+    """The option strings of `parser` and of its commands."""
+    names = set()
+    for action in parser._actions:
+        names.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                names |= _option_names(command)
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(_negative_sizes_attached(sys.argv[1:] if argv is None else argv))
+    parser = _build_parser()
+    args = parser.parse_args(_values_attached(sys.argv[1:] if argv is None else argv, _option_names(parser)))
     command = args.command or "gui"
     if args.command is None:
         args.model = None

@@ -2721,3 +2721,31 @@ def test_the_dense_part_out_of_gpu_memory_under_offload_disabled_does_not_advise
                                      "free what other processes hold on the GPU")
     assert said["auto"].endswith("; GPU=0; the GPU ran out of memory: lower the expert budget (device_expert_bytes) or "
                                  "free what other processes hold on the GPU")
+
+
+def test_free_text_that_starts_with_a_dash_is_the_options_value(cli):
+    """`--prompt -hi` was refused with argparse's "argument --prompt: expected one argument" (it took -hi for an
+    option, as it does any word that starts with '-' but a negative number): free text takes one. An option's name
+    there is still taken for the option (`--prompt --json` has no prompt), and the refusal says how to give such a
+    value."""
+    from engine.tokenizer import ModelTokenizer
+
+    gptoss = str(fixture_folder("gptoss"))
+    for prompt in ("-hi", "-h is help", "--- notes"):
+        result = cli("generate", gptoss, "--prompt", prompt, "--raw", "--max-new-tokens", "1", "--json")
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["prompt_tokens"] == ModelTokenizer(gptoss).encode(prompt,
+                                                                                           add_special_tokens=True)
+    from app.cli import _build_parser, _option_names, _values_attached
+
+    parser = _build_parser()
+    for argv, dest, value in ((["generate", gptoss, "--prompt", "hi", "--system", "-be brief"], "system", "-be brief"),
+                              (["generate", gptoss, "--prompt", "hi", "--stop", "-x"], "stop", ["-x"]),
+                              (["record", gptoss, "--label", "-q4"], "label", "-q4"),
+                              (["history", "--model", "-q4", "--label", "--x"], "model", "-q4")):
+        assert getattr(parser.parse_args(_values_attached(argv, _option_names(parser))), dest) == value
+    for prompt in ("--json", "--js", "-h"):  # (--js: argparse's abbreviation of --json)
+        result = cli("generate", gptoss, "--prompt", prompt)
+        assert result.returncode == 2 and result.stderr.splitlines()[-1] == (
+            "moe-workbench generate: error: argument --prompt: expected one argument (one that starts with '-' is "
+            "given as --prompt=VALUE)"), result.stderr
