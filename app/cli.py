@@ -691,7 +691,8 @@ def _cmd_generate(args) -> int:
         from engine.reasoning import reasoning_variables
         from engine.tokenizer import ModelTokenizer
 
-        reasoning_variables(ModelTokenizer(folder_path(args.model)), args.reasoning)
+        reasoning_variables(ModelTokenizer(folder_path(args.model)), args.reasoning,
+                            said_as=f"--reasoning '{args.reasoning}'")
     fallback = []
     config, device = _offload_setup(args, fallback)
     # the device the answer ran on and why, where it is not the one asked for: a script reads the JSON, not stderr

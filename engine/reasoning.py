@@ -227,13 +227,15 @@ def reasoning_choices(tokenizer: ModelTokenizer) -> tuple[str, ...]:
     return ()
 
 
-def reasoning_variables(tokenizer: ModelTokenizer, choice: str | None) -> dict:
+def reasoning_variables(tokenizer: ModelTokenizer, choice: str | None, said_as: str = "") -> dict:
     """The chat template's variables for `choice` (None: the template's own default); a PromptError naming the
-    values this model takes where it takes another."""
+    values this model takes where it takes another, and the choice as `said_as` says it (the command line's option;
+    by default "reasoning 'high'")."""
     if choice is None:
         return {}
     choices = reasoning_choices(tokenizer)
     if choice not in choices:
         takes = f"takes {', '.join(choices)}" if choices else "has no reasoning setting"
-        raise PromptError(f"reasoning '{choice}': this model's chat template {takes}")
+        named = said_as or f"reasoning '{choice}'"
+        raise PromptError(f"{named}: this model's chat template {takes}")
     return {"reasoning_effort": choice} if choices == EFFORTS else {"enable_thinking": choice == "on"}

@@ -2749,3 +2749,12 @@ def test_free_text_that_starts_with_a_dash_is_the_options_value(cli):
         assert result.returncode == 2 and result.stderr.splitlines()[-1] == (
             "moe-workbench generate: error: argument --prompt: expected one argument (one that starts with '-' is "
             "given as --prompt=VALUE)"), result.stderr
+
+
+def test_a_reasoning_setting_the_template_lacks_is_named_as_the_option(copy_fixture, cli):
+    """generate named --reasoning's value as the window's setting ("reasoning 'high'"), not the option typed."""
+    from tests.test_reasoning_templates import qwen3_folder
+
+    result = cli("generate", str(qwen3_folder(copy_fixture)), "--prompt", "hi", "--reasoning", "high")
+    assert result.returncode == 2 and result.stderr == ("moe-workbench: error: --reasoning 'high': this model's chat "
+                                                        "template takes on, off\n"), result.stderr
