@@ -126,7 +126,7 @@ def _build_parser() -> argparse.ArgumentParser:
                        help=f"times each budget runs the scenarios (default {SWEEP_REPEATS}): its times are the "
                        "medians, and a budget whose median differs from the fastest's by less than their repeats' "
                        "spreads ties with it, as one within --margin does")
-    sweep.add_argument("--margin", type=float, default=0.10, help="of the budgets within this fraction of "
+    sweep.add_argument("--margin", type=number, default=0.10, help="of the budgets within this fraction of "
                        "the fastest completion time (default 0.10) or tied with it, recommend the one with the least "
                        "device peak (of equal peaks the smaller budget)")
     sweep.add_argument("--plot", type=path_given, help="write the sweep plot here (.png or .svg)")
@@ -213,6 +213,20 @@ def at_least(minimum: int, maximum: int = INT64_MAX):
     return integer
 
 
+class _AsTyped(float):
+    """A number option's value, which an error prints as typed: `--temperature -1`, not -1.0."""
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def number(text: str) -> float:
+    """An argparse type: a float (argparse says "invalid number value" of another), printed as typed."""
+    value = _AsTyped(text)
+    value.text = text.strip()
+    return value
+
+
 def size_at_least(minimum: int):
     """An argparse type: a size in bytes or with a unit (engine.units.parse_bytes), at least `minimum`."""
     def size(text: str) -> int:
@@ -255,13 +269,13 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser, choice, seed_help: 
                             "--temperature: ", own: str = "else the model's") -> None:
     """The sampling options, in onnxruntime-genai's search vocabulary; --temperature in `choice`, the group of the ways
     to choose the sampling. `plain` and `own` say when the defaults are plain and when the model's."""
-    choice.add_argument("--temperature", type=float, help="sample with this temperature")
+    choice.add_argument("--temperature", type=number, help="sample with this temperature")
     parser.add_argument("--top-k", type=int, help=f"sample from the k most likely tokens (with --temperature: default "
                         f"0, all; {own})")
-    parser.add_argument("--top-p", type=float, help="sample from the most likely tokens holding this probability "
+    parser.add_argument("--top-p", type=number, help="sample from the most likely tokens holding this probability "
                         f"(with --temperature: default 1.0, all; {own}; 0 beside a top-k above 1: top-k alone, as "
                         "onnxruntime-genai takes it)")
-    parser.add_argument("--repetition-penalty", type=float, help="divide the logits of tokens seen so far by this "
+    parser.add_argument("--repetition-penalty", type=number, help="divide the logits of tokens seen so far by this "
                         f"({plain}default 1.0, none; {own})")
     parser.add_argument("--seed", type=int, help=seed_help)
 

@@ -548,7 +548,7 @@ def test_sweep_checks_its_arguments_before_it_runs(tmp_path, capsys):
     status, _out, err = _main(capsys, "sweep", gptoss, *common, "--plot", str(tmp_path / "sweep.png"))
     assert status == 2 and err == f"moe-workbench: error: --plot {tmp_path / 'sweep.png'}: a folder, not a file\n"
     status, _out, err = _main(capsys, "sweep", gptoss, *common, "--margin", "-1")
-    assert status == 2 and "--margin -1.0: a share of the fastest completion" in err
+    assert status == 2 and "--margin -1: a share of the fastest completion" in err
     for margin in ("nan", "inf"):  # nan ran the whole sweep, then failed to recommend: an internal error
         status, _out, err = _main(capsys, "sweep", gptoss, *common, "--margin", margin)
         assert status == 2 and f"--margin {margin}: a share of the fastest completion" in err
@@ -2758,3 +2758,21 @@ def test_a_reasoning_setting_the_template_lacks_is_named_as_the_option(copy_fixt
     result = cli("generate", str(qwen3_folder(copy_fixture)), "--prompt", "hi", "--reasoning", "high")
     assert result.returncode == 2 and result.stderr == ("moe-workbench: error: --reasoning 'high': this model's chat "
                                                         "template takes on, off\n"), result.stderr
+
+
+def test_a_number_option_refused_is_quoted_as_typed(cli):
+    """`--temperature -1` was refused as "got -1.0", a value never typed (argparse's float, printed): the number
+    options' values are said as typed, as sizes are, and argparse's own refusal names a number."""
+    gptoss = str(fixture_folder("gptoss"))
+    for option, typed, said in (("--temperature", "-1", "--temperature must be a number >= 0, got -1"),
+                                ("--top-p", "1.50", "--top-p must be in [0, 1], got 1.50"),
+                                ("--repetition-penalty", "-.50",
+                                 "--repetition-penalty must be a number > 0, got -.50")):
+        result = cli("generate", gptoss, "--prompt", "hi", "--temperature", "0.7", option, typed)
+        assert result.returncode == 2 and result.stderr == f"moe-workbench: error: {said}\n", result.stderr
+    result = cli("sweep", gptoss, "--device", "simulated", "--margin", "-1")
+    assert result.returncode == 2 and result.stderr == ("moe-workbench: error: --margin -1: a share of the fastest "
+                                                        "completion, 0 or more (0.1 = 10%)\n"), result.stderr
+    result = cli("generate", gptoss, "--prompt", "hi", "--temperature", "warm")
+    assert result.returncode == 2 and result.stderr.splitlines()[-1] == (
+        "moe-workbench generate: error: argument --temperature: invalid number value: 'warm'")
