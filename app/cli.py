@@ -1204,14 +1204,15 @@ def _cmd_history(args) -> int:
     history = History(args.history, create=False)
     filters = {"model": args.model, "scenario": args.scenario, "label": args.label, "ids": args.id}
     if args.export or args.id:
+        if args.id:  # every id checked before any run is printed: a script reads all of them or none
+            missing = sorted(set(args.id) - {row["id"] for row in history.rows(ids=args.id)})
+            if missing:
+                raise WorkbenchError(f"{history.path}: no run{'s' * (len(missing) > 1)} "
+                                     f"{', '.join(map(str, missing))}")
         unreadable = []
         print(history.export(args.export or "json", unreadable, **filters), end="")
         for problem in unreadable:
             print(f"{PROG}: warning: {problem}: left out", file=sys.stderr)
-        if args.id:
-            missing = sorted(set(args.id) - {row["id"] for row in history.rows(ids=args.id)})
-            if missing:
-                raise WorkbenchError(f"{history.path}: no run {', '.join(map(str, missing))}")
         return 0
     rows = history.rows(**filters)
     if not rows:

@@ -1071,8 +1071,11 @@ def test_history_lists_labels_and_budgets_shows_runs_by_id_and_says_when_there_a
     assert status == 0 and [(run["id"], run["label"]) for run in json.loads(out)] == [(2, ""), (1, "tuned")]
     status, out, _err = _main(capsys, "history", "--history", history, "--id", "2")
     assert status == 0 and [run["id"] for run in json.loads(out)] == [2] and out.endswith("]\n")
-    status, _out, err = _main(capsys, "history", "--history", history, "--id", "2", "9")
-    assert status == 2 and "no run 9" in err
+    # every id checked before any is printed (run 2 was printed, then 9 refused)
+    status, out, err = _main(capsys, "history", "--history", history, "--id", "2", "9")
+    assert (status, out, err) == (2, "", f"moe-workbench: error: {history}: no run 9\n")
+    status, out, err = _main(capsys, "history", "--history", history, "--id", "10", "1", "9", "--export", "csv")
+    assert (status, out, err) == (2, "", f"moe-workbench: error: {history}: no runs 9, 10\n")
     status, out, err = _main(capsys, "history", "--history", history, "--scenario", "long")
     assert status == 0 and out == "" and "no runs match in" in err
     status, _out, err = _main(capsys, "history", "--history", history, "--scenario", "bogus")
