@@ -782,7 +782,10 @@ def _cmd_generate(args) -> int:
 def _cmd_write_model(args) -> int:
     import shutil
 
-    from engine.writer import WriterSpec, model_data_bytes, write_model
+    import psutil
+
+    from engine.writer import WriterSpec, write_model
+    from engine.writer.write import PROTOBUF_LIMIT, write_sizes
 
     folder = Path(args.folder)
     if folder.exists() and not folder.is_dir():
@@ -807,13 +810,23 @@ def _cmd_write_model(args) -> int:
                           head_size=args.head_size, zero_points=args.zero_points, dtype=args.dtype, seed=args.seed,
                           quant_type=args.quant_type, prepacked=args.prepacked, activation=args.activation,
                           sliding_window=args.sliding_window, context_length=args.context_length, **layout)
-        # the disk checked first: a size mistyped (--experts 320 for 32) filled it for an hour, then failed
-        weights = model_data_bytes(spec)
+        # the disk and the memory checked first: a size mistyped (--experts 320 for 32) filled the disk for an hour,
+        # then failed; --layers 100000000 filled the memory with its graph, and was killed
+        sizes = write_sizes(spec)
         there = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
         free = shutil.disk_usage(there).free
-        if weights > free:
-            raise WorkbenchError(f"{folder}: not written: its weights take {human_bytes(weights)}, more than the "
-                                 f"{human_bytes(free)} free on the disk there")
+        if sizes.data_bytes > free:
+            raise WorkbenchError(f"{folder}: not written: its weights take {human_bytes(sizes.data_bytes)}, more than "
+                                 f"the {human_bytes(free)} free on the disk there")
+        graph = f"its graph of {counted(spec.layers, 'layer')}"
+        if sizes.graph_bytes > PROTOBUF_LIMIT:
+            raise WorkbenchError(f"{folder}: not written: {graph} (model.onnx) takes about "
+                                 f"{human_bytes(sizes.graph_bytes)}, past the 2.0 GiB one protobuf file holds")
+        available = psutil.virtual_memory().available
+        if sizes.memory_bytes > available:
+            raise WorkbenchError(f"{folder}: not written: building {graph} takes about "
+                                 f"{human_bytes(sizes.memory_bytes)} of memory, more than the "
+                                 f"{human_bytes(available)} available")
         path = write_model(args.folder, spec)
     except ValueError as exc:
         raise WorkbenchError(_as_options(str(exc).removeprefix("WriterSpec: "), WRITER_OPTIONS)) from None

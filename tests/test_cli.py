@@ -472,6 +472,56 @@ def test_write_model_refuses_weights_larger_than_the_disk_has_free_before_writin
     assert (tmp_path / "model" / "model.onnx.data").stat().st_size == weights
 
 
+def test_write_model_checks_its_sizes_before_building_a_graph_of_every_layer(tmp_path, capsys, monkeypatch):
+    """--layers 100000000 filled the memory with its graph (146 KiB a layer) before the disk's free space was checked,
+    and was killed. The sizes are counted on graphs of a few layers, before anything is built: weights larger than
+    the disk's free space, a graph past protobuf's 2 GiB or one whose build takes more memory than is available are
+    refused at once."""
+    import shutil
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import psutil
+
+    import engine.writer.write as write
+    from engine.writer import WriterSpec
+
+    real_build = write.build_graph
+
+    def build_graph(spec):  # (a graph of every layer: minutes, then the memory filled)
+        assert spec.layers <= 4, f"a graph of {spec.layers} layers built"
+        return real_build(spec)
+
+    monkeypatch.setattr(write, "build_graph", build_graph)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: usage._replace(free=1 << 40))
+    target = tmp_path / "model"
+    status, _out, err = _main(capsys, "write-model", str(target), "--layers", "100000000")
+    assert status == 2 and err == (f"moe-workbench: error: {target}: not written: its weights take 27.2 TiB, more "
+                                   "than the 1.0 TiB free on the disk there\n")
+    from engine.writer.write import write_sizes
+
+    tiny = ("--hidden", "16", "--intermediate", "16", "--experts", "2", "--top-k", "1", "--heads", "2", "--kv-heads",
+            "1", "--head-size", "16", "--block-size", "16")
+    spec = WriterSpec(hidden_size=16, inter_size=16, num_experts=2, top_k=1, num_heads=2, num_kv_heads=1, head_size=16,
+                      block_size=16)
+    graph = write_sizes(replace(spec, layers=1000000)).graph_bytes
+    status, _out, err = _main(capsys, "write-model", str(target), "--layers", "1000000", *tiny)
+    assert status == 2 and err == (f"moe-workbench: error: {target}: not written: its graph of 1000000 layers "
+                                   f"(model.onnx) takes about {human_bytes(graph)}, past the 2.0 GiB one protobuf "
+                                   "file holds\n")
+    memory = write_sizes(replace(spec, layers=500)).memory_bytes
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=memory - 1))
+    status, _out, err = _main(capsys, "write-model", str(target), "--layers", "500", *tiny)
+    assert status == 2 and err == (f"moe-workbench: error: {target}: not written: building its graph of 500 layers "
+                                   f"takes about {human_bytes(memory)} of memory, more than the "
+                                   f"{human_bytes(memory - 1)} available\n")
+    assert not target.exists()
+    monkeypatch.setattr(write, "build_graph", real_build)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=memory))
+    assert _main(capsys, "write-model", str(target), "--layers", "500", *tiny)[0] == 0
+
+
 def test_write_model_says_which_layout_options_its_quant_type_does_not_use(tmp_path, capsys):
     """--bits and --block-size with fp4 (MXFP4's block is 32) or --nvfp4-packing with int experts were taken in
     silence: the folder held another layout than the options read. Each is said to do nothing there."""

@@ -340,3 +340,20 @@ def test_config_files_follow_the_fixture(tmp_path):
     assert "RANDOM" in readme and "unit-test model" in readme and "sliding_window = 128" in readme
     meta = {p.key: p.value for p in onnx.load(str(folder / "model.onnx"), load_external_data=False).metadata_props}
     assert json.loads(meta["moe_workbench.writer_spec"])["layers"] == 4
+
+
+@pytest.mark.parametrize("spec", [WriterSpec(layers=7, hidden_size=64, inter_size=64, num_experts=4),
+                                  WriterSpec(layers=6, hidden_size=64, inter_size=64, num_experts=4, sliding_window=64),
+                                  WriterSpec(layers=5, hidden_size=64, inter_size=64, num_experts=3, top_k=1,
+                                             quant_type="int", bits=3, zero_points=True, block_size=16),
+                                  WriterSpec(layers=9, hidden_size=64, inter_size=64, num_experts=4, quant_type="nvfp4",
+                                             dtype="float16")])
+def test_write_sizes_counted_on_a_few_layers_are_the_written_ones(tmp_path, spec):
+    """write_sizes counts a spec on graphs of at most four layers (a graph of every layer takes memory in proportion
+    to them): the weights' size exactly, the graph's closely."""
+    from engine.writer.write import write_sizes
+
+    sizes = write_sizes(spec)
+    write_model(tmp_path, spec)
+    assert sizes.data_bytes == (tmp_path / "model.onnx.data").stat().st_size
+    assert sizes.graph_bytes == pytest.approx((tmp_path / "model.onnx").stat().st_size, rel=0.03)

@@ -4,22 +4,62 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from engine.writer.external_data import total_bytes, write_tensors
+from engine.writer.external_data import aligned, external_tensor, total_bytes, write_tensors
 from engine.writer.folder_files import genai_config, readme, spec_json
 from engine.writer.graph import build_graph, make_model
 from engine.writer.spec import WriterSpec
 from engine.writer.tokenizer_files import write_tokenizer_files
 
 DATA_NAME = "model.onnx.data"
+# model.onnx is one protobuf message, which protobuf does not serialize past 2 GiB
+PROTOBUF_LIMIT = (2 << 30) - 1
+# write_model holds the graph whole (its node and tensor plans, the ModelProto made of them, its serialized bytes):
+# measured, about 24 times model.onnx's size (146 KiB a layer for its 6.0 KiB), with some room over that
+GRAPH_MEMORY_FACTOR = 28
+
+
+@dataclass(frozen=True)
+class WriteSizes:
+    data_bytes: int  # model.onnx.data
+    graph_bytes: int  # model.onnx, about (a layer's names grow with its number's digits)
+
+    @property
+    def memory_bytes(self) -> int:
+        """About the most memory write_model holds (the graph; the weights are streamed a chunk at a time)."""
+        return self.graph_bytes * GRAPH_MEMORY_FACTOR
+
+
+def write_sizes(spec: WriterSpec) -> WriteSizes:
+    """What writing this spec takes, without writing anything: counted on graphs of at most four layers, each layer
+    after the first adding as much as the one before (a sliding window's layers alternate: counted in pairs). A
+    graph of every layer holds about 146 KiB a layer: a mistyped --layers filled the memory before the disk's free
+    space was checked."""
+    spec.validate()
+    if spec.layers <= 4:
+        return _sizes(spec)
+    two, four = _sizes(replace(spec, layers=2)), _sizes(replace(spec, layers=4))
+    pairs = (spec.layers - 2) / 2
+    return WriteSizes(two.data_bytes + (spec.layers - 2) * (four.data_bytes - two.data_bytes) // 2,
+                      two.graph_bytes + round(pairs * (four.graph_bytes - two.graph_bytes)))
+
+
+def _sizes(spec: WriterSpec) -> WriteSizes:
+    plan = build_graph(spec)
+    offset, initializers = 0, []
+    for tensor in plan.tensors:  # as write_tensors places them
+        offset = aligned(offset, tensor.nbytes)
+        initializers.append(external_tensor(tensor, DATA_NAME, offset))
+        offset += tensor.nbytes
+    return WriteSizes(offset, make_model(plan, initializers, "", {}).ByteSize())
 
 
 def model_data_bytes(spec: WriterSpec) -> int:
     """The size model.onnx.data will have for this spec, without writing anything."""
-    spec.validate()
-    return total_bytes(build_graph(spec).tensors)
+    return write_sizes(spec).data_bytes
 
 
 def write_model(folder: str | Path, spec: WriterSpec,
