@@ -46,8 +46,8 @@ def _scenario_all_help(fails: str) -> str:
     """--scenario's help for record or sweep: what is checked before the runs, the long input's room, and what is not,
     a multiturn's later turns (their room is what the answers before them leave, known only as they come)."""
     return (f"{SCENARIO_HELP}; all: the three, the long input left out where the model's sequences cannot hold it and "
-            f"the answer length; a multiturn's turn the answers before it leave no room for fails {fails} (default "
-            "short)")
+            f"an answer of --max-new-tokens; a multiturn's turn the answers before it leave no room for fails {fails} "
+            "(default short)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -118,9 +118,9 @@ def _build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--scenario", choices=["short", "long", "multiturn", "all"], default="short",
                        help=_scenario_all_help("the sweep at that point; the points before it are kept"))
     sweep.add_argument("--max-new-tokens", type=at_least(1), default=SWEEP_TOKENS,
-                       help=f"answer length limit, the same for every model (default {SWEEP_TOKENS}: a sweep times the "
-                       "same work at each budget; a model that reasons first spends it on its reasoning, which decodes "
-                       "as an answer does)")
+                       help=f"the most tokens an answer generates, the same for every model (default {SWEEP_TOKENS}: "
+                       "a sweep times the same work at each budget; a model that reasons first spends them on its "
+                       "reasoning, which decodes as an answer does)")
     _add_record_sampling_arguments(sweep)
     sweep.add_argument("--repeats", type=at_least(1), default=SWEEP_REPEATS,
                        help=f"times each budget runs the scenarios (default {SWEEP_REPEATS}): its times are the "
@@ -260,8 +260,8 @@ def configuration_name(text: str) -> str:
 
 def _answer_length_help(plain: int, more: str = "") -> str:
     """--max-new-tokens' help where its default follows the model (LoadedModel.answer_tokens)."""
-    return (f"answer length limit (default {plain}; for a model that reasons first, room for an answer after the "
-            "reasoning: its genai_config.json's search.max_length, within its context, at most "
+    return (f"the most tokens an answer generates (default {plain}; for a model that reasons first, room for an answer "
+            "after the reasoning: its genai_config.json's search.max_length, within its context, at most "
             f"{REASONING_ANSWER_TOKENS}{more})")
 
 

@@ -1274,7 +1274,8 @@ def test_record_and_sweep_say_that_scenario_all_checks_the_long_inputs_room_and_
     said = {name: next(a.help for a in commands[name]._actions if a.dest == "scenario") for name in ("record", "sweep")}
     checked = ("short: one question; long: a report of about 2,000 tokens, its main points asked for; multiturn: a "
                "chat of six questions; all: the three, the long input left out where the model's sequences cannot hold "
-               "it and the answer length; a multiturn's turn the answers before it leave no room for fails ")
+               "it and an answer of --max-new-tokens; a multiturn's turn the answers before it leave no room for "
+               "fails ")
     assert said == {"record": checked + "the run; the runs before it are saved (default short)",
                     "sweep": checked + "the sweep at that point; the points before it are kept (default short)"}
 
@@ -2829,3 +2830,28 @@ def test_a_number_option_refused_is_quoted_as_typed(cli):
     result = cli("generate", gptoss, "--prompt", "hi", "--temperature", "warm")
     assert result.returncode == 2 and result.stderr.splitlines()[-1] == (
         "moe-workbench generate: error: argument --temperature: invalid number value: 'warm'")
+
+
+def test_max_new_tokens_help_and_the_readme_say_what_the_option_and_write_model_do():
+    """--max-new-tokens' help began "answer length limit" and --scenario's spoke of "the answer length", the window's
+    name, where the option is --max-new-tokens; the README did not say write-model checks the disk's free space (and
+    now the memory) before it writes, or how a free-text value that starts with '-' is given."""
+    import argparse
+
+    from app.cli import _build_parser
+
+    commands = next(a for a in _build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    said = {name: next(a.help for a in commands[name]._actions if a.dest == "max_new_tokens")
+            for name in ("generate", "record", "sweep", "contention")}
+    assert said["generate"] == ("the most tokens an answer generates (default 128; for a model that reasons first, "
+                                "room for an answer after the reasoning: its genai_config.json's search.max_length, "
+                                "within its context, at most 32768)")
+    assert said["sweep"].startswith("the most tokens an answer generates, the same for every model (default 32: ")
+    assert all(text.startswith("the most tokens an answer generates (default 64; ") and "answer length" not in text
+               for text in (said["record"], said["contention"]))
+    readme = (REPO / "README.md").read_text().replace("\n", " ")
+    assert ("Before it builds or writes anything it counts what the model takes on a graph of a few layers, and "
+            "refuses at once weights larger than the disk's free space there, a graph (`model.onnx`) past the 2 GiB "
+            "one protobuf file holds, or one whose build takes more memory than is available") in readme
+    assert ("A free-text value may start with `-` (`--prompt -hi`, and so `--system`, `--stop`, `--label` and "
+            "`history`'s `--model`); one that is an option's name is given with `=` (`--prompt=--json`).") in readme
