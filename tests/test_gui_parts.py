@@ -2901,6 +2901,50 @@ def test_the_placement_legend_wraps_under_the_mode_buttons_in_a_narrow_dock_and_
     laid_out(500, beside=True)
 
 
+def shown_lines(label) -> list[str]:
+    """The lines a word-wrapped rich-text label shows at its width (laid out as QLabel lays it out)."""
+    from PySide6.QtGui import QTextDocument
+
+    doc = QTextDocument()
+    doc.setDocumentMargin(0)
+    doc.setDefaultFont(label.font())
+    doc.setHtml(label.text())
+    doc.setTextWidth(label.contentsRect().width())
+    doc.size()  # (lays it out)
+    lines, block = [], doc.begin()
+    while block.isValid():
+        layout = block.layout()
+        for line in map(layout.lineAt, range(layout.lineCount())):
+            lines.append(block.text()[line.textStart():line.textStart() + line.textLength()].replace("\xa0", " "))
+        block = block.next()
+    return [line.strip() for line in lines]
+
+
+def test_the_placement_legend_wraps_between_its_entries_not_inside_one(qtbot):
+    """In a 250-pixel dock Traffic's legend wrapped inside an entry: '■ on the device now: hits ■ cold now:' over
+    'misses (stronger: more routing)', the red square's words split and 'misses' read as the next entry's. It wraps
+    between entries: each line holds whole ones."""
+    from PySide6.QtWidgets import QVBoxLayout, QWidget
+
+    from app.gui.placement_view import PlacementView
+
+    dock = QWidget()
+    qtbot.addWidget(dock)
+    view = PlacementView()
+    box = QVBoxLayout(dock)
+    box.setContentsMargins(0, 0, 0, 0)
+    box.addWidget(view)
+    dock.resize(250, 500)
+    dock.show()
+    qtbot.waitExposed(dock)
+    view.set_stats(qwen3_30b_like_stats())
+    view.traffic.setChecked(True)
+    qtbot.waitUntil(lambda: view.legend.width() <= 250 and view.legend.y() > view.traffic.geometry().bottom())
+    lines = [re.split(r"\s{2,}", line) for line in shown_lines(view.legend)]
+    assert len(lines) > 1 and sum(lines, []) == ["■ on the device now: hits", "■ cold now: misses",
+                                                 "(stronger: more routing)"], lines
+
+
 def test_traffics_colours_say_where_an_expert_is_now_not_that_its_routing_hit(qapp):
     """Traffic's legend read '■ hits ■ misses' and its button 'blue = hits on resident experts', but a cell's colour
     is where its expert is now and its strength the routing counted before: an expert placement had just copied in

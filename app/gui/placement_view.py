@@ -406,15 +406,21 @@ def legend_text(t: theme.Theme, mode: str, cpu_only: bool = False, copies: bool 
     CPU-only load, where nothing is resident or missed, the one colour of each. `copies`: placement leaves slots to
     copied misses, and a blue cell may be one (slots_text counts them apart): on the device, not resident."""
     if cpu_only:
-        return (f"<span style='color:{t.cold}'>■</span> on the CPU" if mode == "residency" else
-                f"<span style='color:{t.accent}'>■</span> routed (stronger: more routing)")
+        return (_entry(t.cold, "■", "on the CPU") if mode == "residency" else
+                _entry(t.accent, "■", "routed (stronger: more routing)"))
     if mode == "residency":
-        return (f"<span style='color:{t.accent}'>■</span> {'on the device' if copies else 'resident'} &nbsp; "
-                f"<span style='color:{t.cold}'>■</span> "
-                f"cold &nbsp; <span style='color:{t.miss}'>●</span> missed now")
+        return " &nbsp; ".join([_entry(t.accent, "■", "on the device" if copies else "resident"),
+                                _entry(t.cold, "■", "cold"), _entry(t.miss, "●", "missed now")])
     # the colour is where the expert is now; the routing it shows may be from before placement moved it
-    return (f"<span style='color:{t.accent}'>■</span> on the device now: hits &nbsp; "
-            f"<span style='color:{t.miss}'>■</span> cold now: misses &nbsp; (stronger: more routing)")
+    return " &nbsp; ".join([_entry(t.accent, "■", "on the device now: hits"), _entry(t.miss, "■", "cold now: misses"),
+                            _entry(None, "", "(stronger: more routing)")])
+
+
+def _entry(colour: str | None, mark: str, words: str) -> str:
+    """One of the legend's entries, kept whole where the legend wraps (a narrow dock broke Traffic's after 'cold
+    now:', its 'misses' starting the next line, read as the next entry)."""
+    swatch = f"<span style='color:{colour}'>{mark}</span> " if mark else ""
+    return f"<span style='white-space:nowrap'>{swatch}{words}</span>"
 
 
 def cells_text(per: int, mode: str, cpu_only: bool = False) -> str:
