@@ -3,6 +3,7 @@ showing go in together, and nothing streamed is lost, or shown twice, as the str
 
 from __future__ import annotations
 
+import re
 import time
 from types import SimpleNamespace
 
@@ -102,6 +103,18 @@ def _chat(qtbot, message: str = "Tell me"):
     chat.prompt.setPlainText(message)
     chat.send()
     return chat
+
+
+def test_the_chats_live_counter_says_its_time_and_tokens_as_the_window_says_them(qtbot):
+    """The live counter said '1 tokens in 0.3 s' (one decimal, its own format) where the answer's line after it says
+    'answered in 250 ms': it counts its tokens and says its time as every time is said (units.duration_text)."""
+    chat = _chat(qtbot)
+    chat._started = time.monotonic() - 0.25
+    chat.append_text(LONG_LINE[0])
+    assert re.fullmatch(r"Generating… 1 token in 2[5-9]\d ms", chat.live.text()), chat.live.text()
+    chat._started -= 12
+    chat.append_text(LONG_LINE[1])
+    assert re.fullmatch(r"Generating… 2 tokens in 12\.[2-9]\d s", chat.live.text()), chat.live.text()
 
 
 def test_the_chat_inserts_the_batches_that_come_before_it_shows_them_at_once(qtbot):

@@ -446,7 +446,7 @@ class ChatPanel(QWidget):
             self._pacer.schedule()
         elapsed = time.monotonic() - self._started
         doing = "Thinking" if entry["reasoning"] and not entry["text"] else "Generating"
-        self.live.setText(f"{doing}… {self._streamed} tokens in {elapsed:.1f} s")
+        self.live.setText(f"{doing}… {counted(self._streamed, 'token')} in {duration_text(elapsed)}")
 
     def _show_unshown(self) -> None:
         text, self._unshown = self._unshown, ""

@@ -43,7 +43,7 @@ from engine.offload.layer_split import default_layer_split
 from engine.offload.projection import decode_totals, is_simulated, projected_decode_rate
 from engine.reasoning import reasoning_choices
 from engine.sampling import beam_search_note, describe, model_sampling
-from engine.units import counted, human_bytes
+from engine.units import counted, duration_text, human_bytes
 from kernels.cpu.threads import binding_warning
 
 STATS_INTERVAL_S = 0.25
@@ -641,8 +641,8 @@ def split_sentence(split: dict) -> str:
     if not {"spread", "whole"} <= measured.keys():
         return ""
     kept = "whole layers" if split.get("whole_layers") else "the budget spread over every layer"
-    return (f"Layer split measured while decoding: {kept} (a decode step took {measured['whole']:.1f} ms with whole "
-            f"layers, {measured['spread']:.1f} ms spread).")
+    return (f"Layer split measured while decoding: {kept} (a decode step took {duration_text(measured['whole'] / 1e3)} "
+            f"with whole layers, {duration_text(measured['spread'] / 1e3)} spread).")
 
 
 def _model_sampling(model) -> dict | None:

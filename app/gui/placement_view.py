@@ -21,7 +21,7 @@ from app.gui import theme
 from app.gui.estimate import slots_split
 from engine.offload.decode_path import BOTH, PATH_WORDS, TIER, measured_words
 from engine.offload.split_share import SHARE_WORDS, SHIFT_WORDS
-from engine.units import byte_rate, counted, human_bytes, layer_words
+from engine.units import byte_rate, counted, duration_text, human_bytes, layer_words
 
 RECENT_MISS = 0.5    # a cold expert whose decayed routing count (x0.9 a step) is this high was routed to lately
 
@@ -482,7 +482,7 @@ def copies_text(copies: dict, layer_index: list[int] | None = None) -> str:
         parts.append(f"{streaming} streaming slot{'s' if streaming != 1 else ''} for layers without slots")
     rate, call = copies.get("cpu_bytes_per_s"), copies.get("cpu_call_s")
     if rate:
-        parts.append(f"CPU misses priced at {byte_rate(rate, 1)}" + (f" + {call * 1e6:.0f} µs a call" if call else "")
+        parts.append(f"CPU misses priced at {byte_rate(rate, 1)}" + (f" + {duration_text(call)} a call" if call else "")
                      + clamped_words(copies, 1, with_call=True))
     split = copies.get("layer_split") or {}
     measured = split.get("measured_ms") or {}
@@ -491,7 +491,8 @@ def copies_text(copies: dict, layer_index: list[int] | None = None) -> str:
         parts.append(f"timing the layer split: {now} now")
     elif split.get("whole_layers"):
         parts.append("whole layers on the device" + (
-            f" (measured {measured['whole']:.1f} ms a token against {measured['spread']:.1f} spread)"
+            f" (measured {duration_text(measured['whole'] / 1e3)} a token against "
+            f"{duration_text(measured['spread'] / 1e3)} spread)"
             if {"whole", "spread"} <= measured.keys() else ""))
     path = copies.get("decode_path") or {}
     measured = path.get("measured_ms") or {}
@@ -514,7 +515,7 @@ def clamped_words(state: dict, decimals: int, with_call: bool = False) -> str:
         return ""
     call = state.get("cpu_measured_call_s") if with_call else None
     if call:
-        return (f" (measured {byte_rate(measured, decimals)} + {call * 1e6:.0f} µs a call, its rate clamped to the "
+        return (f" (measured {byte_rate(measured, decimals)} + {duration_text(call)} a call, its rate clamped to the "
                 f"host's streaming read)")
     return f" (measured {byte_rate(measured, decimals)}, clamped to the host's streaming read)"
 
@@ -544,7 +545,7 @@ def _cpu_share(path: dict, layer_index: list[int] | None = None) -> str:
     said = " and ".join(words if len(shares) == 1 else f"{words} in {layer_words(sorted(layers))}"
                         for words, layers in shares.items())
     host_s = split.get("host_gap_s") or 0.0
-    host = f", after {host_s * 1e6:.0f} µs of host work a layer" if host_s else ""
+    host = f", after {duration_text(host_s)} of host work a layer" if host_s else ""
     rate = split.get("cpu_bytes_per_s")  # what the CPU's parts measured, as the table's CPU side prices them
     rate_words = f", the CPU's parts at {byte_rate(rate, 0)}{clamped_words(split, 0)}" if rate else ""
     left_out = split.get("slow_steps_left_out") or 0  # steps slowed by other work, which the rate did not count

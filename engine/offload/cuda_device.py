@@ -24,6 +24,7 @@ from engine.offload.host_copy import take_rows
 from engine.offload.host_register import HostRegistration, mapping_regions
 from engine.offload.staging import PinnedRing
 from engine.records.schema import FALLBACK_NOTE
+from engine.units import duration_text
 from kernels.gpu.published import PublishTimeout
 
 ALIGN = 256  # byte alignment of every array placed in the pinned ring
@@ -186,8 +187,8 @@ def kernels_compile_wait(index: int = 0) -> str:
         return ""
     started, cc, cache = compiling
     return (f"the GPU expert kernels' first compile for sm_{cc} ends: it cannot be interrupted ("
-            f"{time.perf_counter() - started:.0f} s so far, about 1-2 minutes in all), and CuPy's cache in {cache} "
-            f"keeps the kernels for later loads")
+            f"{duration_text(time.perf_counter() - started)} so far, about 1-2 minutes in all), and CuPy's cache in "
+            f"{cache} keeps the kernels for later loads")
 
 
 def cuda_device_problem(index: int = 0) -> str:
@@ -1180,8 +1181,8 @@ class CudaDevice:
         self.kernels_ready = True
         if noticed.is_set():
             self.kernels_note = (f"The GPU expert kernels were compiled for sm_{cc} in "
-                                 f"{time.perf_counter() - started:.0f} s; later loads take them from CuPy's cache in "
-                                 f"{cache}.")
+                                 f"{duration_text(time.perf_counter() - started)}; later loads take them from CuPy's "
+                                 f"cache in {cache}.")
             self.report(self.kernels_note)
 
     def register_experts(self, source, infos, owner) -> HostRegistration:

@@ -47,7 +47,7 @@ from engine.errors import WorkbenchError
 from engine.offload.config import OffloadConfig
 from engine.offload.planner import expert_room, slots_device_bytes, under_limit
 from engine.offload.trials import AbaTrials
-from engine.units import human_bytes
+from engine.units import duration_text, human_bytes
 from kernels.gpu.host_tier import TIER_GRANULE
 
 CPU, TIER, BOTH = "cpu", "tier", "both"
@@ -62,7 +62,7 @@ HOST_SHARE = 0.5  # of the host memory available, at most, goes to the tier unle
 def measured_words(measured_ms: dict[str, float]) -> str:
     """What the last trial measured, path by path: '30.0 ms read by the GPU, 20.0 ms on the CPU, 25.0 ms both'."""
     short = {TIER: "read by the GPU", CPU: "on the CPU", BOTH: "both"}
-    return ", ".join(f"{measured_ms[path]:.1f} ms {short[path]}" for path in short if path in measured_ms)
+    return ", ".join(f"{duration_text(measured_ms[path] / 1e3)} {short[path]}" for path in short if path in measured_ms)
 
 
 def checked_path(mode: str) -> str:
