@@ -493,8 +493,10 @@ def test_contention_rules():
                             " The CPU expert kernels run on the cores they leave: pausing them speeds the answer."]
     full = dict(calm, ram_total=100 << 30, ram_available=5 << 30, ram_this=10 << 30, ram_others=85 << 30,
                 top_ram=[{"name": "firefox", "rss": 3 << 30}])
+    # (it said "other processes hold 85.0 GiB", the kernel's memory in it, where the graph says "other processes and
+    # the kernel" of the same number)
     assert warned(full) == ["Host memory is nearly full (5.0 GiB of 100.0 GiB available; this process holds "
-                                  "10.0 GiB): other processes hold 85.0 GiB, the largest firefox (3.0 GiB)."]
+                            "10.0 GiB): other processes and the kernel hold 85.0 GiB, the largest firefox (3.0 GiB)."]
     stolen = dict(calm, cpu_steal_share=0.25)
     assert warned(stolen) == ["This virtual machine's host gives 25% of its CPU time to other guests (steal "
                                     "time): the CPU's expert kernels run slower and less evenly."]

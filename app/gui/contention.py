@@ -118,9 +118,10 @@ def _host_memory(sample: dict) -> str:
     total, available = sample["ram_total"], sample["ram_available"]
     this, others = sample.get("ram_this", 0), sample.get("ram_others", 0)
     full = f"Host memory is nearly full ({human_bytes(available)} of {human_bytes(total)} available"
-    if others >= HOST_OTHERS_SHARE * total:
+    if others >= HOST_OTHERS_SHARE * total:  # (ram_others is all but this process's: the kernel's memory is in it)
         top = sample.get("top_ram", [])
-        return (f"{full}; this process holds {human_bytes(this)}): other processes hold {human_bytes(others)}"
+        return (f"{full}; this process holds {human_bytes(this)}): other processes and the kernel hold "
+                f"{human_bytes(others)}"
                 + ((", the largest " + _names(top, _ram)) if top else "") + ".")
     return (f"{full}): this process holds {human_bytes(this)} of it, the model's own experts and caches. A host "
             "cache budget (host_expert_bytes) or allowing file backing leaves room.")
