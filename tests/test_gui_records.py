@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("pytestqt")
 
-from PySide6.QtCore import QSettings, Qt  # noqa: E402
+from PySide6.QtCore import QSettings, Qt, QTimer  # noqa: E402
 from PySide6.QtWidgets import QFileDialog  # noqa: E402
 
 from app.gui import theme  # noqa: E402
@@ -1517,6 +1517,42 @@ def test_a_cancelled_window_sweep_keeps_saves_and_shows_the_points_it_completed(
                                       "model is back at its own budgets.")
     assert view.recommended is None and not view.save_button.isEnabled()
     assert window.worker._model.offload.config.device_expert_bytes == 3 * EXPERT  # the user's budget, back
+
+
+def test_a_sweep_that_unload_stops_says_no_model_is_loaded_not_that_it_is_back_at_its_budgets(qtbot, window,
+                                                                                                  monkeypatch):
+    """Unload during a sweep: its run line said "the model is back at its own budgets" and the status bar "Idle",
+    beside "No model loaded", the sweep's stop unsaid. Both say Unload stopped the sweep and that no model is
+    loaded, as for a load Unload stops."""
+    import engine.records.sweep as sweep
+
+    load(qtbot, window, "gptoss", SIMULATED)
+    run_scenario, calls = sweep.run_scenario, []
+
+    def unloaded_at_the_second_point(*args, **kwargs):
+        if kwargs.get("label"):
+            calls.append(kwargs["label"])
+        if len(calls) == 4:  # (on the window's thread: the user's Unload, as the second point's first run starts)
+            QTimer.singleShot(0, window, window.unload_action.trigger)
+            for _ in range(1000):  # (until the press reaches the worker: the run stops at its first token)
+                if window.worker.cancel.is_set():
+                    break
+                threading.Event().wait(0.01)
+        return run_scenario(*args, **kwargs)
+
+    monkeypatch.setattr(sweep, "run_scenario", unloaded_at_the_second_point)
+    view = window.sweep
+    view.points.setValue(3)
+    view.scenario.setCurrentText("short")
+    view.max_tokens.setValue(3)
+    view.bar.run_button.click()
+    qtbot.waitUntil(lambda: view.result is not None and not (window.busy or window._waiting)
+                    and window.loaded_path is None, timeout=WAIT)
+    assert view.result.cancelled and len(view.result.points) == 1
+    assert view.bar.status.text() == ("Cancelled at budget share 50% (device_expert_bytes=282624), point 2 of 3; the "
+                                      "1 point before it is shown, 3 runs saved to the history; no recommendation; "
+                                      "Unload stopped it: no model is loaded.")
+    assert window.status_state.text() == "Stopped the budget sweep; no model is loaded."
 
 
 def _view_of_a_complete_sweep(qtbot, tmp_path):

@@ -791,9 +791,12 @@ class MainWindow(QMainWindow):
         self.worker.cancel.set()
         self.worker.requestUnload.emit()
         stopping = "loading" if queued else self.busy
-        if stopping in ("loading", "comparing"):  # stopped first, as Stop stops them: a load, or side by side's of B,
-            self._stopping = STOPPABLE[stopping]  # may have the GPU kernels' first compile to wait on
-            self._unload_stops = self._stopping  # said as it ends, with the model gone (_show_activity)
+        # a load or a records job is stopped first, as Stop stops them (a load, or side by side's of B, may have the GPU
+        # kernels' first compile to wait on), and said as it ends, with the model gone (_show_activity); the chat's
+        # answer says its own stop
+        if stopping in STOPPABLE and stopping != "generating":
+            self._stopping = STOPPABLE[stopping]
+            self._unload_stops = self._stopping
             self._say_stopping()
 
     def _stop_chat_request(self) -> bool:
@@ -895,6 +898,8 @@ class MainWindow(QMainWindow):
 
     @Slot(str, object)
     def _on_job_finished(self, kind: str, result) -> None:
+        if kind == "sweeping" and self._unload_stops == STOPPABLE[kind]:
+            result.unloaded = True  # the model goes next: not at the budgets the sweep put back
         self.job_views[kind].on_finished(result)
         self.history.refresh()
 

@@ -248,10 +248,13 @@ class SweepResult:
                                 # memory); "" where they were
     warm_up: str = ""           # what the unrecorded answer before the first point took (warm_up_line), which no
                                 # point's runs time; "" where it did not finish
+    unloaded: bool = False      # the window's Unload stopped it: the model goes next
 
     @property
     def budgets_back(self) -> str:
         """What the sweep left the model at, as the run line says it."""
+        if self.unloaded:
+            return "Unload stopped it: no model is loaded"
         if self.not_restored:  # said once where the point failed on the same file
             last = "the model stays at the sweep's last budget"
             return last if self.not_restored == self.failure else f"{last}: {self.not_restored}"
