@@ -910,29 +910,40 @@ def test_the_graphs_time_axis_counts_seconds_ago_upward(qapp):
     assert axis.tickStrings([-60.0, -30.0, 0.0], 1.0, 30.0) == ["60", "30", "0"]
 
 
-def test_the_tokens_graph_reads_the_rate_while_answering(qapp):
-    from app.gui.graphs_panel import GraphsPanel
+def test_the_tokens_graph_reads_the_rate_while_answering(qapp, monkeypatch):
+    from types import SimpleNamespace
 
+    import app.gui.graphs_panel as graphs_panel
+    from app.gui.graphs_panel import GraphsPanel
     from app.gui.telemetry import SystemProbe
+
+    clock = [0.0]  # the window's thread's clock, as samples arrive
+    monkeypatch.setattr(graphs_panel, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+
+    def arrives(at: float, taken: float) -> None:
+        clock[0] = at
+        graphs.add_sample(dict(sample, t=taken))
 
     graphs = GraphsPanel()
     sample = SystemProbe(nvml=False).sample()
-    graphs.add_sample(dict(sample, t=100.0))
+    arrives(100.0, 100.0)
     # a 0.25 s answer of 50 tokens inside a 1 s sample: 200 tok/s (not 50, the tokens over the whole sample)
     graphs.set_answering(True, now=100.5)
     graphs.count_tokens(50)
     graphs.set_answering(False, now=100.75)
-    graphs.add_sample(dict(sample, t=101.0))
+    arrives(101.0, 101.0)
     assert graphs.samples[-1]["tokens_per_s"] == pytest.approx(200.0)
-    # an answer running across samples: each sample takes its own part of the time
+    # an answer running across samples: each sample takes its own part of the time, as the window's thread saw it.
+    # A sample taken at 101.6 that arrives at 102.0, 30 tokens counted by then: 60 tok/s over the 0.5 s answered
+    # (its own time gave 0.1 s of answering to the 30 tokens: 300 tok/s, then 100 tokens over 1.4 s: 71 tok/s)
     graphs.set_answering(True, now=101.5)
     graphs.count_tokens(30)
-    graphs.add_sample(dict(sample, t=102.0))
+    arrives(102.0, 101.6)
     graphs.count_tokens(100)
     graphs.set_answering(False, now=103.0)
-    graphs.add_sample(dict(sample, t=103.0))
+    arrives(103.1, 102.9)
     assert [s["tokens_per_s"] for s in list(graphs.samples)[-2:]] == pytest.approx([60.0, 100.0])
-    graphs.add_sample(dict(sample, t=104.0))
+    arrives(104.0, 104.0)
     assert graphs.samples[-1]["tokens_per_s"] == 0.0
 
 

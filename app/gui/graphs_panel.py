@@ -195,18 +195,22 @@ class GraphsPanel(QWidget):
         self.sampling_failure.show()
 
     def add_sample(self, sample: dict) -> None:
+        """A telemetry sample, with the rate of the tokens counted since the last one over the time answered since,
+        both as this thread saw them (its clock as the sample arrives). The sample's own time, taken on the
+        sampler's thread up to a few tenths of a second before it arrives, cut that sample's time short against the
+        tokens counted up to its arrival and gave the next the rest: the rate swung too high, then too low."""
         self.sampling_failure.hide()
         sample = dict(sample)
-        now = sample["t"]
+        clock = time.monotonic()
         answering = self._answering_s
         if self._answering_since is not None:  # still answering: the sample takes the time so far
-            answering += now - self._answering_since
-            self._answering_since = now
+            answering += clock - self._answering_since
+            self._answering_since = clock
         sample["tokens_per_s"] = self._tokens / answering if self._tokens and answering > 0 else 0.0
         self._tokens = 0
         self._answering_s = 0.0
         self.samples.append(sample)
-        while self.samples and self.samples[0]["t"] < now - HISTORY_S:
+        while self.samples and self.samples[0]["t"] < sample["t"] - HISTORY_S:
             self.samples.popleft()
         gpu = sample.get("gpu") is not None
         self._gpu_seen = self._gpu_seen or gpu
