@@ -2542,6 +2542,25 @@ def test_tab_moves_on_from_the_side_by_side_boxes_as_from_the_chats(qtbot):
         assert box.toPlainText() == "text" and QApplication.focusWidget() is not box
 
 
+def test_a_side_by_side_columns_answer_and_statistics_are_named_by_its_title_now(qtbot):
+    """A column's answer and statistics kept the names of its first title for a screen reader ('B: modified decode')
+    where the column said 'B: lfm2moe · same settings' (a B of another model, A's settings). They follow its title."""
+    from app.gui.side_by_side_view import SideBySideView
+
+    view = SideBySideView()
+    qtbot.addWidget(view)
+    view.set_loaded("/models/gptoss", {})
+    view.prompt.setPlainText("Hello")
+    view.right_folder.setText("/models/lfm2moe")
+    view.run()
+    assert (view.left.title(), view.right.title()) == ("A: gptoss as loaded", "B: lfm2moe · same settings")
+    for column in (view.left, view.right):
+        assert column.accessibleName() == column.title()
+        assert column.answer.accessibleName() == f"{column.title()} answer"
+        assert [label.accessibleName() for label in column.values.values()] == [
+            f"{column.title()} {name}" for name in column.values]
+
+
 def test_the_budget_panels_statements_show_angle_brackets_and_ampersands_as_written(qapp, gptoss):
     """The statements went into a rich-text label unescaped: a node name with '<' (or an NVRTC error naming
     std::vector<int>, a folder with '&') read as a tag, and the label lost the text from there on."""

@@ -229,7 +229,6 @@ class Column(QGroupBox):
     def __init__(self, title: str, parent=None):
         super().__init__(parent)
         self._title = ""
-        self.setTitle(title)
         self.text = self.reasoning = ""
         # what its side was doing as last streamed (side_streams' state, its tokens so far); None: nothing said
         self.state: str | None = None
@@ -242,22 +241,26 @@ class Column(QGroupBox):
         self._unshown_text = self._unshown_reasoning = ""
         self._pacer = Pacer(self._show_unshown, self)
         self.answer = QTextBrowser()
-        self.answer.setAccessibleName(f"{title} answer")
         self.values: dict[str, OneLineLabel] = {}
         grid = QGridLayout()
         for row, name in enumerate(STATS):
             grid.addWidget(QLabel(name), row, 0)
             self.values[name] = OneLineLabel("—")
-            self.values[name].setAccessibleName(f"{title} {name}")
             grid.addWidget(self.values[name], row, 1)
         grid.setColumnStretch(1, 1)  # the values have the room the names leave: a status fits before it is elided
         layout = QVBoxLayout(self)
         layout.addWidget(self.answer, 1)
         layout.addLayout(grid)
+        self.setTitle(title)
 
     def setTitle(self, title: str) -> None:  # noqa: N802 (Qt's name)
+        """The side's title, which a screen reader says of its answer and statistics too (they kept the first title,
+        'B: modified' beside a B titled 'B: lfm2moe · same settings')."""
         self._title = title
         self._elide_title()
+        self.answer.setAccessibleName(f"{title} answer")
+        for name, label in self.values.items():
+            label.setAccessibleName(f"{title} {name}")
 
     def title(self) -> str:
         return self._title
