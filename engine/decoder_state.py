@@ -70,6 +70,31 @@ def _pattern_regex(pattern: str) -> re.Pattern:
     return re.compile("^" + re.escape(pattern).replace("%d", r"(\d+)") + "$")
 
 
+def check_kv_head_size(config: GenaiConfig, graph: onnx.GraphProto) -> None:
+    """genai_config.json's head_size, which sizes a KV cache whose graph input leaves its last dimension symbolic (the
+    builder's 'kv_cache_dim'), held against the GroupQueryAttention node that reads that cache: its output, as the graph
+    declares it, is num_heads heads of that size. A missing or wrong one failed only at the first step, in
+    onnxruntime's words, naming neither the file nor the field."""
+    inputs = {value.name: value for value in graph.input}
+    declared = {value.name: value.type.tensor_type.shape.dim for value in (*graph.value_info, *graph.output)}
+    for node in graph.node:
+        if node.op_type != "GroupQueryAttention" or len(node.input) < 4 or node.input[3] not in inputs:
+            continue
+        dims = inputs[node.input[3]].type.tensor_type.shape.dim
+        if len(dims) != 4 or dims[3].HasField("dim_value"):
+            continue
+        if not config.head_size:
+            raise ModelFileError(f"{config.path}: missing 'model.decoder.head_size', which sizes the KV cache "
+                                 f"'{node.input[3]}' (its last dimension is '{dims[3].dim_param}' in the graph)")
+        heads = next((attr.i for attr in node.attribute if attr.name == "num_heads"), 0)
+        output = declared.get(node.output[0]) if node.output else None
+        width = output[-1].dim_value if output and output[-1].HasField("dim_value") else 0
+        if heads > 0 and width and width != heads * config.head_size:
+            raise ModelFileError(f"{config.path}: 'model.decoder.head_size' is {config.head_size}, but node "
+                                 f"'{node.name}' attends with heads of {width / heads:g} (its output has {width} values "
+                                 f"over its {heads} heads)")
+
+
 class DecoderState:
     """Everything that carries over between steps for one conversation (batch size 1)."""
 

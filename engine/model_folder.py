@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.decoder_state import DecoderState
+from engine.decoder_state import DecoderState, check_kv_head_size
 from engine.errors import ModelFileError, UnsupportedModelError, no_link_loop
 from engine.expert_node import ExpertNodeInfo, describe_expert_node
 from engine.genai_config import GenaiConfig, load_genai_config
@@ -66,6 +66,7 @@ class ModelFolder:
         if config.outputs.get("logits", "logits") not in {o.name for o in source.proto.graph.output}:
             raise ModelFileError(f"{source.path}: the graph has no output named '{config.outputs.get('logits')}'")
         DecoderState(config, source.proto.graph)  # genai_config's past and present names match the graph's (no memory)
+        check_kv_head_size(config, source.proto.graph)
         return cls(folder, config, tokenizer, source, plan, experts)
 
     @property

@@ -477,9 +477,37 @@ def test_an_onnxruntime_failure_while_running_is_one_line_naming_the_dense_part(
     config = json.loads((folder / "genai_config.json").read_text())
     config["model"]["decoder"]["head_size"] -= 1  # the KV cache's shape then disagrees with the graph's
     (folder / "genai_config.json").write_text(json.dumps(config))
+
+    def undeclare_attention_outputs(model):  # which the open holds head_size against: onnxruntime alone finds it
+        outputs = {n.output[0] for n in model.graph.node if n.op_type == "GroupQueryAttention"}
+        kept = [value for value in model.graph.value_info if value.name not in outputs]
+        del model.graph.value_info[:]
+        model.graph.value_info.extend(kept)
+
+    _edit_onnx(folder, undeclare_attention_outputs)
     result = cli("generate", str(folder), "--prompt", "hi", "--max-new-tokens", "2")
     assert_clean_error(result, "model.onnx: onnxruntime failed to run the dense part from node", "GroupQueryAttention")
     assert "[E:onnxruntime" not in result.stdout + result.stderr  # its logger's own line is not shown
+
+
+@pytest.mark.parametrize("head_size, fragment", [
+    (48, "genai_config.json: 'model.decoder.head_size' is 48, but node '/model/layers.0/attn/GroupQueryAttention' "
+         "attends with heads of 32 (its output has 128 values over its 4 heads)"),
+    (None, "genai_config.json: missing 'model.decoder.head_size', which sizes the KV cache 'past_key_values.0.key' "
+           "(its last dimension is 'kv_cache_dim' in the graph)"),
+])
+def test_a_head_size_that_does_not_size_the_kv_cache_is_named_at_open(copy_fixture, cli, head_size, fragment):
+    """Was: inspect called the model runnable, and generate failed at its first step in onnxruntime's words ("Input
+    'past_key' dimension 3 should match the packed KV head dimension"), naming neither genai_config.json nor the
+    field."""
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["decoder"].pop("head_size")
+    if head_size is not None:
+        config["model"]["decoder"]["head_size"] = head_size
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    assert_clean_error(cli("inspect", str(folder)), fragment)
+    assert_clean_error(cli("generate", str(folder), "--device", "simulated", "--prompt", "hi"), fragment)
 
 
 def test_genai_config_sections_of_the_wrong_kind_are_named(copy_fixture, cli):
