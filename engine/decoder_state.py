@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 
 from engine.array_backend import NUMPY, ArrayBackend
-from engine.errors import ModelFileError, PromptError
+from engine.errors import ModelFileError, PromptError, one_line
 from engine.genai_config import GenaiConfig
 
 CAPACITY_STEP = 256
@@ -212,7 +212,17 @@ class DecoderState:
             slot_capacity = window if slot.sliding else capacity
             if slot.array is not None and slot.array.shape[2] == slot_capacity:
                 continue
-            grown = self.backend.zeros(self._kv_shape(slot, slot_capacity), _np_dtype(self.graph_inputs[slot.past_name]))
+            try:
+                grown = self.backend.zeros(self._kv_shape(slot, slot_capacity),
+                                           _np_dtype(self.graph_inputs[slot.past_name]))
+            except (MemoryError, ValueError, OverflowError) as exc:
+                if not slot.sliding:
+                    raise
+                # the window is genai_config's to size, whatever the context: a wrong one is the file's
+                raise ModelFileError(
+                    f"{self.config.path}: 'model.decoder.sliding_window' makes the KV cache '{slot.past_name}' "
+                    f"{window:,} slots (window_size {self.config.sliding_window_size:,} and cache_slack "
+                    f"{self.config.sliding_cache_slack:,}), which cannot be allocated ({one_line(exc)})") from None
             if slot.array is not None:
                 self.backend.copy_prefix(grown, slot.array, min(self.past_length, slot.array.shape[2]))
             slot.array = grown  # the old buffer goes now: one layer's old and new held at a time

@@ -510,6 +510,19 @@ def test_a_head_size_that_does_not_size_the_kv_cache_is_named_at_open(copy_fixtu
     assert_clean_error(cli("generate", str(folder), "--device", "simulated", "--prompt", "hi"), fragment)
 
 
+@pytest.mark.parametrize("window, reason", [(10 ** 30, "ValueError: Maximum allowed dimension exceeded"),
+                                            (2 ** 45, "MemoryError: Unable to allocate 8.00 PiB")])
+def test_a_sliding_window_too_large_to_allocate_is_named_not_an_internal_error(copy_fixture, cli, window, reason):
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["decoder"]["sliding_window"]["window_size"] = window
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    assert_clean_error(cli("generate", str(folder), "--device", "simulated", "--prompt", "hi"),
+                       f"genai_config.json: 'model.decoder.sliding_window' makes the KV cache 'past_key_values.0.key' "
+                       f"{window:,} slots (window_size {window:,} and cache_slack 0), which cannot be allocated "
+                       f"({reason}")
+
+
 def test_genai_config_sections_of_the_wrong_kind_are_named(copy_fixture, cli):
     folder = copy_fixture("gptoss")
     original = json.loads((folder / "genai_config.json").read_text())
