@@ -25,6 +25,8 @@ _INT_ATTRIBUTES = {"k", "normalize_routing_weights", "use_sparse_mixer", "expert
                    "fc2_expert_weight_bits", "fc3_expert_weight_bits", "block_size", "weights_prepacked",
                    "swiglu_fusion", "swiglu_limit_after_activation", "accuracy_level"}
 _FLOAT_ATTRIBUTES = {"activation_alpha", "activation_beta", "swiglu_limit"}  # swiglu_limit inf: no clamp
+# flags onnxruntime reads as `== 1`: any other value is off there, where Python's truth would turn it on here
+_FLAG_ATTRIBUTES = {"normalize_routing_weights", "use_sparse_mixer"}
 GPU_MAX_EXPERTS = 2048  # kernels.gpu.qmoe.GpuQMoE refuses more (its grouping kernel)
 # onnxruntime-genai's builder names a layer's nodes '/model/layers.12/moe/QMoE' (and our writer does too)
 _MODEL_LAYER = re.compile(r"(?:^|/)layers\.(\d+)/")
@@ -143,6 +145,8 @@ def _check_contract(node: onnx.NodeProto, attributes: dict, weight_inputs: dict,
     for name, value in attributes.items():
         if name in _INT_ATTRIBUTES and not isinstance(value, int):
             raise ModelFileError(f"{source.path}: node '{node.name}' attribute {name}={value!r} is not an integer")
+        if name in _FLAG_ATTRIBUTES and value not in (0, 1):
+            raise ModelFileError(f"{source.path}: node '{node.name}' attribute {name}={value!r} is neither 0 nor 1")
         if name in _FLOAT_ATTRIBUTES and not (isinstance(value, (int, float))
                                               and (math.isfinite(value) or name == "swiglu_limit")):
             raise ModelFileError(f"{source.path}: node '{node.name}' attribute {name}={value!r} is not a finite number")

@@ -354,6 +354,17 @@ def test_malformed_onnx_fields_are_named_before_anything_runs(copy_fixture, edit
     assert_clean_error(cli("inspect", str(folder)), "model.onnx", *fragments)
 
 
+@pytest.mark.parametrize("name", ["normalize_routing_weights", "use_sparse_mixer"])
+def test_a_routing_flag_other_than_0_or_1_is_named_not_read_as_on(copy_fixture, name, cli):
+    """Was: run as on (Python's truth of 2), where onnxruntime, which reads the flag as `== 1`, runs it off: an
+    answer other than onnxruntime's, unsaid."""
+    folder = copy_fixture("gptoss")
+    _edit_onnx(folder, lambda m: _attribute(_qmoe(m), name, 2))
+    fragment = f"model.onnx: node '/model/layers.0/moe/QMoE' attribute {name}=2 is neither 0 nor 1"
+    assert_clean_error(cli("inspect", str(folder)), fragment)
+    assert_clean_error(cli("generate", str(folder), "--device", "simulated", "--prompt", "hi"), fragment)
+
+
 def _inline(name: str, raw: bytes):
     def edit(model):
         tensor = _initializer(model, name)
