@@ -97,15 +97,19 @@ def run_steps(model, state, token: int, steps: int, runs: dict, at_step: dict | 
         # the one the table comes from, in force; the measured line (its rate, its own fixed cost) beside it where the
         # stream clamped it
         cpu_rate = engine.cpu_rate_state(engine.split_cpu_rate if engine.splits_cold else engine.cpu_rate)
-        rate, measured = cpu_rate["cpu_bytes_per_s"] or 0.0, cpu_rate["cpu_measured_bytes_per_s"] or 0.0
-        measured_call = cpu_rate["cpu_measured_call_s"] * 1e6
-        clamped = f" (measured {byte_rate(measured, 1)} + {measured_call:.0f})" if measured > rate else ""
-        tier = engine.tier_read.value or 0.0
+        # none measured yet: "no rate" ("0.0 kB/s" read as a CPU that costs nothing), as diag_worker_parts says it
+        rate, measured = cpu_rate["cpu_bytes_per_s"], cpu_rate["cpu_measured_bytes_per_s"]
+        cpu = f"{'no rate':>10}"
+        if rate is not None:
+            measured_call = cpu_rate["cpu_measured_call_s"] * 1e6
+            clamped = f" (measured {byte_rate(measured, 1)} + {measured_call:.0f})" if measured > rate else ""
+            cpu = f"{byte_rate(rate, 1):>10}+{cpu_rate['cpu_call_s'] * 1e6:4.0f}{clamped}"
+        tier = "no rate" if engine.tier_read.value is None else byte_rate(engine.tier_read.value, 1)
         print(f"{step:4d} {ms:7.2f} {engine.decode_path_in_force:>4}/{trial['measuring'] or '-':>4}  "
               f"replays {replays - before_replays:3d} runs {runs['runs'] - before_runs:3d} held {held:3d}  "
               f"cpu {cpu_misses:4d} read {read:4d}  "
               f"table {tables_text(split):>17}  "
-              f"{byte_rate(rate, 1):>10}+{cpu_rate['cpu_call_s'] * 1e6:4.0f}{clamped}  {tier / 1e9:4.1f}  "
+              f"{cpu}  {tier:>10}  "
               f"{engine.host_gap.value * 1e6:5.0f}  share {engine.share_trials.shift:+d}"
               f"/{engine.share_trials.state()['measuring'] or '-'}  beside {decoder.layers_beside - beside:2d} "
               f"again {decoder.steps_run_again - again}  cpu ms {(stats.phases['decode'].cpu_s - cpu_s) * 1e3:5.2f}",
@@ -167,8 +171,8 @@ def main() -> None:
         token = int(model.decoder.forward(state, prompt)[-1].argmax())
         print(f"== {fraction:.0%} resident; step ms, path in force / trial timing, dense replays / onnxruntime runs "
               f"/ graphs held, misses cpu / read, table, CPU rate + fixed µs (measured where the host's "
-              f"streaming read clamped it), tier GB/s, host gap µs, the CPU's share shift in force / trial timing, "
-              f"layers the worker took, steps run again, the CPU's ms", flush=True)
+              f"streaming read clamped it), tier read rate, host gap µs, the CPU's share shift in force / trial "
+              f"timing, layers the worker took, steps run again, the CPU's ms", flush=True)
         token, _ = run_steps(model, state, token, args.steps, runs)
         print(f"trials: {engine.path_trials.state()}, share: {engine.share_trials.state()}", flush=True)
         for gate in ((True, False) if args.gate_ab else (True,)) if args.then_both else ():

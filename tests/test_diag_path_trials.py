@@ -44,3 +44,31 @@ def test_each_steps_line_says_the_cpu_rate_in_force_with_the_measured_one_beside
     token = int(model.decoder.forward(state, [5, 6, 7])[-1].argmax())
     run_steps(model, state, token, 1, count_runs(model))
     assert "  40.0 GB/s+   6 (measured 60.0 GB/s + 100)  " in capsys.readouterr().out  # the measured line's own
+
+
+def test_each_steps_line_says_no_rate_before_one_is_measured_and_small_rates_in_mb_s(tmp_path, capsys):
+    """A CPU rate not measured yet read "0.0 kB/s + 0", as if the CPU cost nothing, and the tier's reads were printed
+    in GB/s with one decimal, so 40 MB/s read "0.0" and none measured "0.0" too. The line says "no rate" for either,
+    and a rate in MB/s under 1 GB/s (units.byte_rate)."""
+    from benchmarks.diag_path_trials import count_runs, run_steps
+    from engine.generation import LoadedModel
+    from engine.offload import OffloadConfig, SimulatedDevice
+    from engine.offload.planner import all_resident_bytes
+    from engine.writer import write_model
+    from tests.test_offload import SPEC
+
+    model = LoadedModel.open(write_model(tmp_path / "m", SPEC), device=SimulatedDevice(1 << 30), decode_path="both",
+                             offload=OffloadConfig(device_expert_bytes=0))
+    model.offload.reconfigure(OffloadConfig(device_expert_bytes=all_resident_bytes(model.folder.experts) // 4),
+                              decode_path="both")
+    engine = model.offload
+    for rate in (engine.cpu_rate, engine.split_rate):  # none measured: this machine's calls would give one
+        rate.observe = rate.observe_many = lambda *calls: None
+    engine.tier_read.observe = lambda *read: None
+    state, runs = model.new_state(), count_runs(model)
+    token = int(model.decoder.forward(state, [5, 6, 7])[-1].argmax())
+    token, _ = run_steps(model, state, token, 1, runs)
+    assert "     no rate     no rate  " in capsys.readouterr().out
+    engine.tier_read.value = 0.04e9
+    run_steps(model, state, token, 1, runs)
+    assert "     no rate   40.0 MB/s  " in capsys.readouterr().out
