@@ -972,6 +972,29 @@ def test_a_sweep_stopped_in_its_first_warm_up_says_so_and_leaves_no_warm_up_time
     assert len(warmed) == 1 and warmed[0] > 0 and record.timings["warm_up_s"] == warmed[0]
 
 
+def test_a_sweep_stopped_after_a_points_warm_up_leaves_no_warm_up_time(monkeypatch):
+    """A cancel after a point's unrecorded answer but before its first run left that answer's seconds in
+    model.warm_up_s, so the next record (the model back at its own budgets) said them as its warm-up. They are the
+    point's alone: the next record says none."""
+    from engine.records import sweep
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    cancel, real_held = threading.Event(), sweep.whole_layers_held
+
+    def held(*args):  # between the point's answer and its first run
+        cancel.set()
+        return real_held(*args)
+
+    monkeypatch.setattr(sweep, "whole_layers_held", held)
+    with pytest.raises(SweepCancelled) as cancelled:
+        run_sweep(model, device, 2, ["short"], GenerationParams(max_new_tokens=2), cancel=cancel, repeats=1)
+    assert stopped_at(cancelled.value) == "at budget share 0% (device_expert_bytes=0), point 1 of 2"
+    assert model.warm_up_s == 0.0
+    record = run_scenario(model, "short", GenerationParams(max_new_tokens=2))
+    assert record.timings["warm_up_s"] == 0.0
+
+
 def test_a_sweeps_failure_names_the_run_of_its_point_that_failed(monkeypatch):
     """A failed sweep said at which point it stopped ("point 1 of 2") but not which of the point's runs failed: its
     unrecorded warm-up answer, or which scenario, in which repeat. The point's note names it."""

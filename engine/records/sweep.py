@@ -394,6 +394,9 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
                 raise
         return results
     finally:
+        # a point's unrecorded answer that its first record did not say (a cancel or a failure before that record)
+        # is no warm-up of what runs next, at other budgets: the model gave its own before the first point
+        model.warm_up_s = 0.0
         if model.offload.layer_split_mode != mode:
             try:
                 model.offload.set_layer_split(mode)
