@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import html
 import io
 import json
 import re
@@ -309,6 +310,32 @@ def test_a_records_agreement_is_over_the_runs_tokens(simulated_model, monkeypatc
     monkeypatch.setattr(Conversation, "send", scripted_send)
     record = run_turns(model, ["one", "two"], PARAMS, device)
     assert record.routing_agreement == pytest.approx(0.9)
+
+
+def test_a_runs_detail_says_the_unrecorded_warm_up_answer_it_followed(short_record):
+    """The run's detail in the window showed neither warm_up_s nor point_warm_up_s (only the JSON and exports did), so
+    a run timed right after a warm-up answer and one after none read alike. The detail says it in words, below the
+    completion, where the record has them."""
+    from app.gui.record_report import detail_html
+
+    def said(**timings):
+        data = short_record.to_dict()
+        for key in ("warm_up_s", "point_warm_up_s"):
+            data["timings"].pop(key, None)
+        data["timings"].update(timings)
+        text = html.unescape(detail_html(RunRecord.from_dict(data)))
+        return re.search(r"<td>completion</td><td>[^<]*</td></tr>(<tr><td>unrecorded warm-up answer</td><td>"
+                         r"([^<]*)</td></tr>)?", text).group(2)
+
+    assert said() is None  # an older record
+    assert said(warm_up_s=0.0451) == "45.1 ms: the model's first answer since its load, right before this run"
+    assert said(warm_up_s=0.0) == "none right before this run: the model gave it before an earlier run"
+    assert said(warm_up_s=0.012, point_warm_up_s=0.012) == (
+        "12.0 ms: the sweep point's, at its budget, which every run of the point follows (this run, the point's "
+        "first, right after it)")
+    assert said(warm_up_s=0.0, point_warm_up_s=0.012) == (
+        "12.0 ms: the sweep point's, at its budget, which every run of the point follows (an earlier run of the "
+        "point right after it)")
 
 
 def test_a_record_of_approximate_routing_counts_the_experts_it_dropped_during_the_run(short_record):

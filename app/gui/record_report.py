@@ -187,6 +187,10 @@ def detail_html(record: RunRecord, run_id: int | None = None) -> str:
         after = next(i for i, (label, _value) in enumerate(metrics) if label == "process RSS at the start") + 1
         metrics.insert(after, ("process peaks hold", "both sides' models: the other side's was loaded in this process "
                                                      "too (side by side)"))
+    warm_up = _warm_up(record)
+    if warm_up:  # beside the times it was left out of
+        after = next(i for i, (label, _value) in enumerate(metrics) if label == "completion") + 1
+        metrics.insert(after, ("unrecorded warm-up answer", warm_up))
     held = record.peaks.get("device_parts")  # (absent in records older than it)
     if held:  # beside the peak: the host tier's granule-rounded mappings may be most of it
         after = next(i for i, (label, _value) in enumerate(metrics) if label == "device memory peak") + 1
@@ -233,6 +237,22 @@ def detail_html(record: RunRecord, run_id: int | None = None) -> str:
                          ("python", versions.get("python", "?"))]
                         + [(what, _version(record, key)) for what, key in VERSIONS if _version(record, key)]))
     return "".join(parts)
+
+
+def _warm_up(record: RunRecord) -> str | None:
+    """What the record says of the unrecorded answer its run followed, off its clock: a sweep point's at the point's
+    budget (point_warm_up_s), else the model's first after its load (warm_up_s, 0 in the runs after it); None in a
+    record older than both."""
+    said, point = record.timings.get("warm_up_s"), record.timings.get("point_warm_up_s")
+    if point is not None:
+        return (f"{duration_text(point)}: the sweep point's, at its budget, which every run of the point follows "
+                + ("(this run, the point's first, right after it)" if said else "(an earlier run of the point right "
+                   "after it)"))
+    if said is None:
+        return None
+    if said:
+        return f"{duration_text(said)}: the model's first answer since its load, right before this run"
+    return "none right before this run: the model gave it before an earlier run"
 
 
 def _gpus(machine: dict) -> str:
