@@ -150,6 +150,10 @@ def _check_contract(node: onnx.NodeProto, attributes: dict, weight_inputs: dict,
         if name in _FLOAT_ATTRIBUTES and not (isinstance(value, (int, float))
                                               and (math.isfinite(value) or name == "swiglu_limit")):
             raise ModelFileError(f"{source.path}: node '{node.name}' attribute {name}={value!r} is not a finite number")
+        # the contract clamps to [-limit, limit]: a negative or NaN bound clamps nothing onnxruntime defines
+        if name == "swiglu_limit" and not value >= 0:
+            raise ModelFileError(f"{source.path}: node '{node.name}' attribute swiglu_limit={value!r} is not a "
+                                 "number from 0 up (inf: no clamp)")
     for role, tensor in weight_inputs.items():
         data_type = source.initializers[tensor].data_type
         allowed = _FLOATS if node.op_type == "MoE" else next(

@@ -365,6 +365,18 @@ def test_a_routing_flag_other_than_0_or_1_is_named_not_read_as_on(copy_fixture, 
     assert_clean_error(cli("generate", str(folder), "--device", "simulated", "--prompt", "hi"), fragment)
 
 
+@pytest.mark.parametrize("value", [-7.0, float("nan")])
+def test_a_swiglu_limit_negative_or_nan_is_named_not_run(copy_fixture, value, cli):
+    """Was: accepted and run, clamping the gate to a bound below the up's lower one (or comparing with NaN): answers
+    the contract's clamp to [-limit, limit] does not define."""
+    folder = copy_fixture("gptoss")
+    _edit_onnx(folder, lambda m: _attribute(_qmoe(m), "swiglu_limit", value))
+    fragment = (f"model.onnx: node '/model/layers.0/moe/QMoE' attribute swiglu_limit={value!r} is not a number "
+                "from 0 up (inf: no clamp)")
+    assert_clean_error(cli("inspect", str(folder)), fragment)
+    assert_clean_error(cli("generate", str(folder), "--device", "simulated", "--prompt", "hi"), fragment)
+
+
 def _inline(name: str, raw: bytes):
     def edit(model):
         tensor = _initializer(model, name)
