@@ -54,6 +54,11 @@ class _Parser(argparse.ArgumentParser):
     """argparse's parser (its commands' too), whose refusal of a free-text option followed by an option's name says
     how to give a value that starts with '-' (_values_attached takes any other)."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # argparse (3.11) takes -1 and -.5 for values but -1e-3 for an option's name, "expected one argument"
+        self._negative_number_matcher = re.compile(r"^-([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$")
+
     def error(self, message: str):
         if re.fullmatch(f"argument ({'|'.join(FREE_TEXT)}): expected one argument", message):
             option = message.split()[1].removesuffix(":")

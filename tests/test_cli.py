@@ -2832,6 +2832,16 @@ def test_a_number_option_refused_is_quoted_as_typed(cli):
         "moe-workbench generate: error: argument --temperature: invalid number value: 'warm'")
 
 
+def test_a_negative_number_in_exponent_form_is_taken_as_a_value(cli):
+    """`--temperature -1e-3` was refused as "expected one argument" (argparse took it for an option's name, where it
+    takes -1 and -.5 for values): it is read as the number it is, and refused for its sign as -1 is."""
+    gptoss = str(fixture_folder("gptoss"))
+    for typed in ("-1e-3", "-2.5E+1"):
+        result = cli("generate", gptoss, "--prompt", "hi", "--temperature", typed)
+        assert result.returncode == 2 and result.stderr == (
+            f"moe-workbench: error: --temperature must be a number >= 0, got {typed}\n"), result.stderr
+
+
 def test_max_new_tokens_help_and_the_readme_say_what_the_option_and_write_model_do():
     """--max-new-tokens' help began "answer length limit" and --scenario's spoke of "the answer length", the window's
     name, where the option is --max-new-tokens; the README did not say write-model checks the disk's free space (and
