@@ -1227,6 +1227,14 @@ def _cmd_history(args) -> int:
             if missing:
                 raise WorkbenchError(f"{history.path}: no run{'s' * (len(missing) > 1)} "
                                      f"{', '.join(map(str, missing))}")
+            # a run asked for by id that the other filters leave out would be left out unsaid
+            unmatched = sorted(set(args.id) - {row["id"] for row in history.rows(**filters)})
+            if unmatched:
+                given = ", ".join(f"--{name} {getattr(args, name)!r}" for name in ("model", "scenario", "label")
+                                  if getattr(args, name))
+                raise WorkbenchError(f"{history.path}: run{'s' * (len(unmatched) > 1)} "
+                                     f"{', '.join(map(str, unmatched))} "
+                                     f"do{'es' * (len(unmatched) == 1)} not match {given}")
         unreadable = []
         print(history.export(args.export or "json", unreadable, **filters), end="")
         for problem in unreadable:

@@ -1071,3 +1071,21 @@ def test_a_record_keeps_which_popularity_file_placed_its_experts_and_a_compariso
     rows = list(csv.DictReader(io.StringIO(history.export("csv"))))
     assert (rows[1]["popularity_sha256"], rows[0]["popularity_sha256"]) == (a.offload["popularity_sha256"], "")
     assert f" popularity file SHA-256 {a.offload['popularity_sha256']} " in plain(detail_html(a))
+
+
+def test_a_run_asked_for_by_id_that_the_filters_leave_out_is_named(tmp_path, capsys):
+    """`history --id 1 --model other` printed an empty export, without a word, where run 1 exists: the runs the other
+    filters leave out are named, as a missing id is, and nothing is printed."""
+    from app.cli import main
+    from engine.records.history import History
+
+    path = tmp_path / "h.sqlite3"
+    history = History(path)
+    history.add(made_record(label="base"))
+    history.add(made_record(label="tuned", folder="/m/qwen"))
+    assert main(["history", "--history", str(path), "--id", "1", "--model", "qwen"]) == 2
+    assert capsys.readouterr() == ("", f"moe-workbench: error: {path}: run 1 does not match --model 'qwen'\n")
+    assert main(["history", "--history", str(path), "--id", "1", "2", "--label", "x", "--model", "m"]) == 2
+    assert capsys.readouterr().err == f"moe-workbench: error: {path}: runs 1, 2 do not match --model 'm', --label 'x'\n"
+    assert main(["history", "--history", str(path), "--id", "2", "--label", "TUNED", "--export", "csv"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("2,")
