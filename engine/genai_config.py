@@ -190,13 +190,20 @@ def load_genai_config(folder: Path) -> GenaiConfig:
         sliding = _object(decoder, "sliding_window", path, "model.decoder.", required=False)
         defaults = SearchDefaults()
         context_length = _integer(model, "context_length", path, "model.", minimum=1)
+        num_layers = _integer(decoder, "num_hidden_layers", path, "model.decoder.", default=0)
+        sliding_layers = _layers(sliding, path, "model.decoder.sliding_window.")
+        # a window for a layer the model lacks: a layer index typed wrong, whose own layer runs without its window
+        beyond = [i for i in sliding_layers or () if num_layers and i >= num_layers]
+        if beyond:
+            raise ModelFileError(f"{path}: 'model.decoder.sliding_window.layers' names layer {beyond[0]}; "
+                                 f"'model.decoder.num_hidden_layers' is {num_layers} (layers 0 to {num_layers - 1})")
         return GenaiConfig(
             path=path,
             model_type=_text(model, "type", path, "model.", "unknown"),
             filename=_text(decoder, "filename", path, "model.decoder.", "model.onnx"),
             context_length=context_length,
             vocab_size=_integer(model, "vocab_size", path, "model.", default=0),
-            num_layers=_integer(decoder, "num_hidden_layers", path, "model.decoder.", default=0),
+            num_layers=num_layers,
             hidden_size=_integer(decoder, "hidden_size", path, "model.decoder.", default=0),
             head_size=_integer(decoder, "head_size", path, "model.decoder.", default=0),
             num_heads=_integer(decoder, "num_attention_heads", path, "model.decoder.", default=0),
@@ -208,7 +215,7 @@ def load_genai_config(folder: Path) -> GenaiConfig:
             outputs=_names(decoder, "outputs", path, "model.decoder."),
             sliding_window_size=_integer(sliding, "window_size", path, "model.decoder.sliding_window.", default=0)
             or None,
-            sliding_window_layers=_layers(sliding, path, "model.decoder.sliding_window."),
+            sliding_window_layers=sliding_layers,
             sliding_cache_slack=_integer(sliding, "cache_slack", path, "model.decoder.sliding_window.", default=0),
             search=SearchDefaults(
                 max_length=_integer(search, "max_length", path, "search.", default=0) or context_length,

@@ -546,6 +546,19 @@ def test_a_sliding_window_too_large_to_allocate_is_named_not_an_internal_error(c
                        f"({reason}")
 
 
+def test_a_sliding_window_layer_the_model_lacks_is_named(copy_fixture, cli):
+    """Was: accepted, the window kept for no layer there is: a layer index typed wrong (5 for 1) ran its own layer
+    with full attention, unsaid."""
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["decoder"]["sliding_window"]["layers"] = [0, 5]
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    fragment = ("genai_config.json: 'model.decoder.sliding_window.layers' names layer 5; "
+                "'model.decoder.num_hidden_layers' is 2 (layers 0 to 1)")
+    assert_clean_error(cli("inspect", str(folder)), fragment)
+    assert_clean_error(cli("generate", str(folder), "--device", "simulated", "--prompt", "hi"), fragment)
+
+
 def test_genai_config_sections_of_the_wrong_kind_are_named(copy_fixture, cli):
     folder = copy_fixture("gptoss")
     original = json.loads((folder / "genai_config.json").read_text())
