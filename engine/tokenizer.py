@@ -24,11 +24,14 @@ RENDER_MAX_CHARS = 4_000_000  # the most a * or ** in a template may make (a str
 LIPSUM_MAX_WORDS = 100_000  # the most a lipsum() may make (a tenth of a second)
 
 
-def _token_text(value) -> str | None:
-    """tokenizer_config.json writes special tokens as a string or as {"content": ...}."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
+def _token_text(value, origin: str, field: str) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or as {"content": ...} (null: none). Another value, a
+    number or a list, was read as no token: the template then rendered without it (an eos_token of ''), unsaid."""
+    text = value.get("content") if isinstance(value, dict) else value
+    if text is None and not isinstance(value, dict) or isinstance(text, str):
+        return text
+    raise ModelFileError(f"{origin}: '{field}' is {json.dumps(value)[:40]}, not a token's text (a string or "
+                         '{"content": "..."})')
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
@@ -176,8 +179,9 @@ class ModelTokenizer:
         self._tok.no_truncation()
         self._tok.no_padding()
         config = self._read_config(folder / "tokenizer_config.json")
-        self.bos_token = _token_text(config.get("bos_token"))
-        self.eos_token = _token_text(config.get("eos_token"))
+        origin = str(folder / "tokenizer_config.json")
+        self.bos_token = _token_text(config.get("bos_token"), origin, "bos_token")
+        self.eos_token = _token_text(config.get("eos_token"), origin, "eos_token")
         self.chat_template = self._load_template(folder, config)
         self.special_ids = frozenset(i for i, token in self._tok.get_added_tokens_decoder().items() if token.special)
 
@@ -192,27 +196,37 @@ class ModelTokenizer:
 
     def _load_template(self, folder: Path, config: dict) -> ChatTemplate | None:
         special = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
-        special.update((name, text) for name in SPECIAL_TOKEN_NAMES if (text := _token_text(config.get(name))))
+        origin = str(folder / "tokenizer_config.json")
+        special.update((name, text) for name in SPECIAL_TOKEN_NAMES
+                       if (text := _token_text(config.get(name), origin, name)))
         extra = config.get("additional_special_tokens")
         if isinstance(extra, list):
-            special["additional_special_tokens"] = [text for token in extra if (text := _token_text(token))]
+            special["additional_special_tokens"] = [
+                text for token in extra if (text := _token_text(token, origin, "additional_special_tokens"))]
         jinja_file = folder / "chat_template.jinja"
         if no_link_loop(jinja_file).is_file():
             return ChatTemplate(read_model_text(jinja_file), str(jinja_file), special)
         template = config.get("chat_template")
-        origin = str(folder / "tokenizer_config.json")
         if template is not None and not isinstance(template, (str, list, dict)):
             raise ModelFileError(f"{origin}: 'chat_template' is {json.dumps(template)[:40]}, not a template or a list "
                                  "of named templates")
         # transformers' named templates: [{"name": "default", "template": "..."}, ...], or the {name: template} it
-        # reads them into
-        if isinstance(template, (list, dict)):
-            named = (template if isinstance(template, dict) else
-                     {item.get("name"): item.get("template") for item in template if isinstance(item, dict)})
-            if not isinstance(named.get("default"), str):
-                raise ModelFileError(f"{origin}: chat_template names templates {sorted(map(str, named))} but no "
+        # reads them into; an entry of another form was passed over, and the error named no fault of it
+        if isinstance(template, list):
+            for item in template:
+                if not (isinstance(item, dict) and isinstance(item.get("name"), str)
+                        and isinstance(item.get("template"), str)):
+                    raise ModelFileError(f"{origin}: 'chat_template' holds {json.dumps(item)[:40]}, not a named "
+                                         'template ({"name": "...", "template": "..."})')
+            template = {item["name"]: item["template"] for item in template}
+        if isinstance(template, dict):
+            if "default" not in template:
+                raise ModelFileError(f"{origin}: chat_template names templates {sorted(map(str, template))} but no "
                                      "'default' one")
-            template, origin = named["default"], f"{origin} (chat template 'default')"
+            if not isinstance(template["default"], str):
+                raise ModelFileError(f"{origin}: 'chat_template.default' is {json.dumps(template['default'])[:40]}, "
+                                     "not a template")
+            template, origin = template["default"], f"{origin} (chat template 'default')"
         if isinstance(template, str):
             return ChatTemplate(template, origin, special)
         return None

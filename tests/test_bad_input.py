@@ -591,6 +591,32 @@ def test_transformers_named_chat_templates_use_the_default_one(copy_fixture, cli
                        "['tool_use'] but no 'default' one")
 
 
+@pytest.mark.parametrize("field, value, fragment", [
+    ("eos_token", 5, "'eos_token' is 5, not a token's text (a string or {\"content\": \"...\"})"),
+    ("eos_token", ["<|endoftext|>"], "'eos_token' is [\"<|endoftext|>\"], not a token's text"),
+    ("pad_token", {"id": 3}, "'pad_token' is {\"id\": 3}, not a token's text"),
+    ("chat_template", ["{{ messages }}"], "'chat_template' holds \"{{ messages }}\", not a named template "
+                                          '({"name": "...", "template": "..."})'),
+    ("chat_template", [{"name": "default", "template": 5}],
+     "'chat_template' holds {\"name\": \"default\", \"template\": 5}, not a named template"),
+    ("chat_template", {"default": ["x"]}, "'chat_template.default' is [\"x\"], not a template"),
+])
+def test_tokenizer_config_fields_of_the_wrong_type_are_named(copy_fixture, cli, field, value, fragment):
+    """Was: a special token of another type read as none (the template rendered eos_token as ''), and a named
+    template of another form passed over ("names templates [] but no 'default' one"), neither naming the field."""
+    from engine.tokenizer import ModelTokenizer
+
+    folder = copy_fixture("gptoss")
+    (folder / "chat_template.jinja").unlink()
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["eos_token"] = {"content": "<|endoftext|>", "special": True}  # the form transformers also writes
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert ModelTokenizer(folder).eos_token == "<|endoftext|>"
+    config[field] = value
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert_clean_error(cli("inspect", str(folder)), f"tokenizer_config.json: {fragment}")
+
+
 def test_what_only_a_load_found_is_named_by_inspect_an_unknown_operator_and_unmatched_state_names(copy_fixture, cli):
     folder = copy_fixture("gptoss")
 
