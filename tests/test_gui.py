@@ -2774,6 +2774,10 @@ def test_the_copies_line_says_their_later_hits():
     assert copies_text({"layer_split": {"whole_layers": True, "measured_ms": {"spread": 30.04, "whole": 20.0}}}) == \
         "whole layers on the device (measured 20.0 ms a token against 30.0 ms spread)"
     assert copies_text({"layer_split": {"whole_layers": True, "measured_ms": {}}}) == "whole layers on the device"
+    assert copies_text({"layer_split": {"whole_layers": True, "layers_whole": 1, "measured_ms": {}}}) == \
+        "whole layers on the device"
+    assert copies_text({"layer_split": {"whole_layers": True, "layers_whole": 0, "measured_ms": {}}}) == \
+        "whole layers: no layer fits the expert budget"
     assert copies_text({"layer_split": {"whole_layers": False, "measured_ms": {"spread": 20.0, "whole": 30.0}}}) == ""
     assert copies_text({"layer_split": {"whole_layers": True, "measured_ms": {}, "measuring": "whole"}}) == \
         "timing the layer split: whole layers now"
@@ -2854,6 +2858,18 @@ def test_the_copies_line_and_the_landed_sentences_say_where_decode_computes_cold
          "(a decode step took 30.0 ms read by the GPU, 35.0 ms on the CPU, 25.0 ms both).")
     assert path_sentence({"host_tier": True, "in_force": "tier", "measured_ms": {}}) == ""
     assert path_sentence({"host_tier": False, "in_force": "cpu", "measured_ms": {"tier": 1.0, "cpu": 2.0}}) == ""
+
+
+def test_whole_layers_with_a_budget_below_one_layer_are_said_to_hold_no_layer(qtbot, window):
+    """The layer split "whole" with a budget that holds no layer whole: the placement summary said "whole layers on
+    the device" beside "0 of 16 experts resident". It says no layer fits, as where everything landed does."""
+    load(qtbot, window, fixture_folder("gptoss"), {**simulated(), "layer_split": "whole"})  # 3 of a layer's 8
+    assert window.worker._model.offload.whole_layers
+    assert "The budget holds whole layers: 0 of 2 expert layers" in window.model_panel.landed.text()
+    qtbot.waitUntil(lambda: window.placement.updates > 0, timeout=WAIT)
+    summary = window.placement.summary.text()
+    assert summary.startswith("0 of 16 experts resident · ")
+    assert "whole layers: no layer fits the expert budget" in summary and "whole layers on the device" not in summary
 
 
 def test_the_layer_split_chosen_in_the_budget_panel_plans_whole_layers_and_applies_without_reload(qtbot, window):

@@ -144,7 +144,9 @@ def test_the_engine_switches_to_whole_layers_when_measured_faster_with_the_same_
     counts = sorted(layer.num_slots for layer in engine.slots)
     assert counts[0] == 0 and counts[-1] == num_experts and set(counts) == {0, num_experts}
     assert any("The budget holds whole layers" in text for text in engine.plan.statements)
-    assert engine.copy_state()["layer_split"] == {"mode": "auto", "whole_layers": True, "trials": 1, "measuring": None,
+    assert engine.copy_state()["layer_split"] == {"mode": "auto", "whole_layers": True,
+                                                   "layers_whole": counts.count(num_experts), "trials": 1,
+                                                   "measuring": None,
                                                    "measured_ms": {"spread": pytest.approx(30.0, abs=1.0),
                                                                    "whole": pytest.approx(20.0, abs=1.0)}}
     assert_same_as_cpu(run, cpu_run)  # the switch mid-conversation changes no answer

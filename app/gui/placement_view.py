@@ -464,9 +464,10 @@ def copies_text(copies: dict, layer_index: list[int] | None = None) -> str:
     absent until enough copies were made; the decode streaming slots device_working_bytes asked for; the CPU kernels'
     cost the policy weighs copies against, once measured), and
     whether the budget holds whole layers instead of being spread (engine/offload/layer_split.py), with the step
-    times that chose it, or which split a trial is timing now; the same for where decode computes cold experts
-    (engine/offload/decode_path.py) where a host tier lets it choose (`layer_index`: the model's layer numbers of the
-    engine's layers, which name the layers whose split tables differ)."""
+    times that chose it (or that it holds no layer whole, as where everything landed says), or which split a trial
+    is timing now; the same for where decode computes cold experts (engine/offload/decode_path.py) where a host tier
+    lets it choose (`layer_index`: the model's layer numbers of the engine's layers, which name the layers whose split
+    tables differ)."""
     parts = []
     reuse = copies.get("later_hits_per_copy")
     if reuse is not None:
@@ -489,6 +490,8 @@ def copies_text(copies: dict, layer_index: list[int] | None = None) -> str:
     if split.get("measuring"):  # decode speed moves with the split for the trial's few dozen steps
         now = "whole layers" if split["measuring"] == "whole" else "the budget spread over every layer"
         parts.append(f"timing the layer split: {now} now")
+    elif split.get("whole_layers") and split.get("layers_whole") == 0:  # a budget below one layer: all off the device
+        parts.append("whole layers: no layer fits the expert budget")
     elif split.get("whole_layers"):
         parts.append("whole layers on the device" + (
             f" (measured {duration_text(measured['whole'] / 1e3)} a token against "

@@ -549,15 +549,16 @@ class OffloadEngine(DenseLanding):
         earns (None until enough copies were made), the decode streaming slots of each layout (streaming.py), and
         what it prices the CPU's misses at (cpu_rate_state: bytes per second of a miss in force and as measured, None
         until measured, and seconds per kernel call, 0 until fitted); whether adaptive placement's swaps are paused
-        for earning too few hits (None: another placement); the layer split and the decode path, each with its
-        trials' state (and under "both", the CPU's share of the cold pairs); the CPU kernels' threads
-        (KernelThreads.state)."""
+        for earning too few hits (None: another placement); the layer split (with the layers whose every expert has a
+        slot) and the decode path, each with its trials' state (and under "both", the CPU's share of the cold pairs);
+        the CPU kernels' threads (KernelThreads.state)."""
         judge = getattr(self.policy, "judge", None)  # adaptive placement's: whether its swaps pay (swap_judge.py)
         return {"miss_slots": list(self.policy.miss_slots), "later_hits_per_copy": self.copy_reuse.value,
                 "placement": None if judge is None else judge.state(), "static_placement": self._static_state(),
                 "streaming_slots": [group.num_slots for group in self.streaming.groups],
                 **self.cpu_rate_state(self.cpu_rate),
                 "layer_split": {"mode": self.layer_split_mode, "whole_layers": self.whole_layers,
+                                "layers_whole": sum(layer.num_slots == layer.num_experts for layer in self.slots),
                                 **self.split_trials.state()},
                 "decode_path": {"mode": self.decode_path_mode, "in_force": self.decode_path_in_force,
                                 "host_tier": self._host_tier, "cold_split": self._cold_split_state(),
