@@ -1125,8 +1125,21 @@ def test_the_host_memory_graph_says_its_others_hold_the_kernels_own_memory(qtbot
 
     graphs = _graphs_after_one_sample(qtbot, None, "no NVIDIA GPU")
     header = graphs.ram_plot.header.text()
-    assert "this process 1.00" in header and "other processes and the kernel 7.0" in header
-    assert "others 7.0" not in header and "available 8.0 of 16.0 GiB" in header
+    assert "other processes and the kernel 7.0 GiB" in header and "others 7.0" not in header
+
+
+def test_the_host_memory_graph_says_each_figure_in_one_format_with_its_unit(qtbot):
+    """The host memory header said this process with two decimals and the others with one, and only the last figure
+    had a unit ('this process 1.00 · other processes and the kernel 7.0 · available 8.0 of 16.0 GiB'): each is now
+    human_bytes', unit included, as a model small enough to be counted in MiB reads too."""
+    graphs = _graphs_after_one_sample(qtbot, None, "no NVIDIA GPU")
+    header = graphs.ram_plot.header.text()
+    assert "this process 1.0 GiB" in header and "other processes and the kernel 7.0 GiB" in header
+    assert "available 8.0 GiB of 16.0 GiB" in header
+    graphs.add_sample({"t": 2.0, "wall": 1.0, "cpu_per_core": [50.0], "cpu_total": 50.0, "others_cpu_cores": 0.0,
+                       "ram_total": 16 << 30, "ram_available": 8 << 30, "ram_this": 300 << 20,
+                       "ram_others": (8 << 30) - (300 << 20), "gpu": None, "gpu_note": "no NVIDIA GPU"})
+    assert "this process 300.0 MiB" in graphs.ram_plot.header.text()
 
 
 def test_a_failing_sampler_says_so_once_and_a_working_sample_clears_it(qapp):

@@ -312,9 +312,10 @@ class GraphsPanel(QWidget):
         last = samples[-1]
         # (all that is neither available nor this process's: the kernel's own page tables, slab and buffers are in it)
         self.ram_plot.header.setText(
-            _title("Host memory", [(t.accent, f"this process {last['ram_this'] / GIB:.2f}"),
-                                   (t.others, f"other processes and the kernel {last['ram_others'] / GIB:.1f}"),
-                                   (t.muted, f"available {last['ram_available'] / GIB:.1f} of {last['ram_total'] / GIB:.1f} GiB")], t))
+            _title("Host memory", [(t.accent, f"this process {human_bytes(last['ram_this'])}"),
+                                   (t.others, f"other processes and the kernel {human_bytes(last['ram_others'])}"),
+                                   (t.muted, f"available {human_bytes(last['ram_available'])} of "
+                                             f"{human_bytes(last['ram_total'])}")], t))
         # scaled to what is used (the total is in the header): a 23 GiB axis would flatten a model's growth
         used_peak = float((ram_this + ram_others).max()) if len(ram_this) else 0.1
         self.ram_plot.setYRange(0, max(used_peak * 1.25, 0.1), padding=0)
