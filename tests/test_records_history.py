@@ -386,6 +386,22 @@ def test_a_time_under_a_millisecond_reads_as_such_not_as_none(sampled):
     assert " 32.0 µs 0 ms " in plain(detail_html(record))  # the layer's CPU and device time
 
 
+def test_a_simulated_cards_device_time_is_said_to_be_modelled(sampled):
+    """A record on the simulated card showed a layer's 'device time' as 0.710 µs for 124 hits, read as a measured
+    time: it is the card's model (each launch's experts read once at its HBM rate, summed over the run's launches;
+    a fixture expert of 32 KiB is 32 ns at 1000 GB/s). The column and a line under the table say so."""
+    layer = dict(sampled.layers[0] if sampled.layers else {}, hits=124, misses=2, cpu_s=3.2e-5, device_s=7.1e-7)
+    projected = {"bandwidths": {"pcie_bytes_per_s": 25e9, "hbm_bytes_per_s": 1000e9}}
+    record = RunRecord.from_dict(dict(sampled.to_dict(), layers=[layer],
+                                      timings=dict(sampled.timings, projected=projected)))
+    text = plain(detail_html(record))
+    assert " CPU time device time (modelled) " in text and " 32.0 µs 0.710 µs " in text
+    assert ("Device time on the simulated card is modelled, not measured: each launch reads its experts once at the "
+            "card's 1000 GB/s, summed over the run's launches, with no launch overhead.") in text
+    measured = plain(detail_html(RunRecord.from_dict(dict(sampled.to_dict(), layers=[layer]))))  # not simulated
+    assert " CPU time device time " in measured and "modelled" not in measured
+
+
 def test_a_label_of_two_lines_stays_in_its_markdown_row(tmp_path, greedy):
     from engine.records.history import History
 

@@ -10,7 +10,7 @@ from engine.records.environment import cuda_version_text
 from engine.records.scenarios import device_parts_text
 from engine.records.schema import RunRecord, decode_path_run, fallback_reason
 from engine.sampling import SamplingParams, describe
-from engine.units import counted, duration_text, human_bytes
+from engine.units import byte_rate, counted, duration_text, human_bytes
 
 NOT_RECORDED = "not recorded"
 
@@ -213,7 +213,13 @@ def detail_html(record: RunRecord, run_id: int | None = None) -> str:
             rows.append((name, layer.get("hits", 0), layer.get("misses", 0), "—" if rate is None else f"{rate:.1%}",
                          human_bytes(layer.get("copy_bytes", 0)), fmt(layer.get("cpu_s"), "s"),
                          fmt(layer.get("device_s"), "s")))
-        parts.append(_table(rows, ("expert node", "hits", "misses", "hit rate", "copied", "CPU time", "device time")))
+        hbm = ((t.get("projected") or {}).get("bandwidths") or {}).get("hbm_bytes_per_s")
+        parts.append(_table(rows, ("expert node", "hits", "misses", "hit rate", "copied", "CPU time",
+                                   "device time (modelled)" if hbm else "device time")))
+        if hbm:  # the simulated card's: read as measured, a tiny model's microseconds looked like a broken timer
+            parts.append(f"<p>Device time on the simulated card is modelled, not measured: each launch reads its "
+                         f"experts once at the card's {byte_rate(hbm, 0)}, summed over the run's launches, with no "
+                         "launch overhead.</p>")
     parts.append("<h4>Conversation</h4>")
     for index, turn in enumerate(record.turns, start=1):
         tt = turn.get("timings", {})
