@@ -1429,6 +1429,22 @@ def open_on_simulated(qtbot, window, expert_bytes: int):
     return path, budget
 
 
+def test_the_pinned_slider_reaches_the_automatic_ring_of_a_tiny_model(qtbot, window):
+    """The Pinned slider's far end was the stored experts' bytes, while the automatic ring (two prefill waves of
+    experts as staged) of the gpt-oss fixture is more than all its 16 experts: leaving auto started beyond the
+    slider's reach, and sliding to its end gave a smaller ring. The far end is now the automatic ring."""
+    _path, budget = open_on_simulated(qtbot, window, 3 * slot())
+    qtbot.waitUntil(lambda: "3 of 16" in budget.layer_text.text())
+    auto_ring = budget.last_estimate.staging.pinned_bytes
+    assert auto_ring == 2 * 8 * staged() > window.facts.expert_bytes  # the tiny model's case
+    budget.pinned_bytes.auto.setChecked(False)
+    qtbot.waitUntil(lambda: budget.config().pinned_bytes == auto_ring)
+    assert budget.pinned_bytes.slider.value() == budget.pinned_bytes.STEPS
+    budget.pinned_bytes.slider.setValue(0)
+    budget.pinned_bytes.slider.setValue(budget.pinned_bytes.STEPS)  # back to the far end: the automatic ring again
+    assert budget.pinned_bytes.value() == auto_ring
+
+
 def test_a_pinned_ring_below_one_expert_is_refused_with_the_engines_message(qtbot, window):
     from engine.offload.config import OffloadConfig
     from engine.offload.planner import OffloadPlanError

@@ -444,7 +444,9 @@ class BudgetPanel(QWidget):
         self._set_applied(None)
         self.loaded = False
         # the expert budget's far end holds every expert in device slots (the GPU kernels' layout, larger
-        # than the stored experts); host cache and pinned ring are host memory, of the stored experts
+        # than the stored experts); the host cache holds stored experts. The pinned ring holds waves of experts as
+        # staged, not the stored experts: its far end is raised to the automatic ring once an estimate gives it
+        # (_show_pinned), which a tiny model's two prefill waves make more than all its experts.
         self.expert_bytes.setMaximum(max(1, all_resident_bytes(facts.experts), facts.expert_bytes))
         for control in (self.host_bytes, self.pinned_bytes):
             control.setMaximum(max(1, facts.expert_bytes))
@@ -657,6 +659,8 @@ class BudgetPanel(QWidget):
             text = f"<span style='color:{t.muted}'>No ring: offload is disabled.</span>"
         elif est.staging is not None:
             st = est.staging
+            if config.pinned_bytes is None:  # leaving auto starts from this ring: the slider reaches it
+                self.pinned_bytes.setMaximum(max(1, self.facts.expert_bytes, st.pinned_bytes))
             how = "auto: two prefill waves" if config.pinned_bytes is None else "this value bounds the wave"
             text = (f"Ring <b>{human_bytes(st.pinned_bytes)}</b> = {counted(st.pinned_experts, 'expert')} of "
                     f"{human_bytes(st.staged_expert_bytes)} · prefill waves of <b>{st.wave_experts}</b> ({how})")
