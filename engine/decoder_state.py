@@ -91,8 +91,8 @@ def check_kv_head_size(config: GenaiConfig, graph: onnx.GraphProto) -> None:
         width = output[-1].dim_value if output and output[-1].HasField("dim_value") else 0
         if heads > 0 and width and width != heads * config.head_size:
             raise ModelFileError(f"{config.path}: 'model.decoder.head_size' is {config.head_size}, but node "
-                                 f"'{node.name}' attends with heads of {width / heads:g} (its output has {width} values "
-                                 f"over its {heads} heads)")
+                                 f"'{node.name}' attends with heads of {width / heads:g} (its output has {width} "
+                                 f"values over its {heads} heads)")
 
 
 class DecoderState:

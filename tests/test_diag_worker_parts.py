@@ -81,6 +81,6 @@ def test_the_split_tables_inputs_say_the_cpu_rate_in_force_with_the_measured_one
     from tests.test_offload import SPEC, clamped_rates_model
 
     engine = clamped_rates_model(write_model(tmp_path / "m", SPEC)).offload  # 60 GB/s measured, 40 streaming
-    assert split_inputs(engine, 0).startswith("the split's table from: CPU 40.0 GB/s + 6 µs a call (measured 60.0 GB/s "
-                                              "+ 100 µs a call, its rate clamped to the stream), tier reads not "
-                                              "measured, ")
+    assert split_inputs(engine, 0).startswith("the split's table from: CPU 40.0 GB/s + 6 µs a call (measured "
+                                              "60.0 GB/s + 100 µs a call, its rate clamped to the stream), tier "
+                                              "reads not measured, ")

@@ -2808,11 +2808,11 @@ def test_the_copies_line_says_their_later_hits():
         "CPU misses priced at 40.0 GB/s + 2.00 µs a call (measured 400.0 GB/s, clamped to the host's streaming read)"
     # with the measured line's own fixed cost: the held line's is made through the calls' mean (6.25 µs where the
     # measured 60 GB/s + 100 µs is held to 40 GB/s), and "+ 6.25 µs a call (measured 60.0 GB/s, ...)" read as a line
-    # of 60 GB/s + 6 µs, which nobody measured nor priced
+    # of 60 GB/s + 6.25 µs, which nobody measured nor priced
     assert copies_text({"cpu_bytes_per_s": 40e9, "cpu_measured_bytes_per_s": 60e9, "cpu_call_s": 6.25e-6,
-                        "cpu_measured_call_s": 100e-6}) == ("CPU misses priced at 40.0 GB/s + 6.25 µs a call (measured "
-                                                            "60.0 GB/s + 100 µs a call, its rate clamped to the host's "
-                                                            "streaming read)")
+                        "cpu_measured_call_s": 100e-6}) == (
+        "CPU misses priced at 40.0 GB/s + 6.25 µs a call (measured 60.0 GB/s + 100 µs a call, its rate clamped to the "
+        "host's streaming read)")
     assert copies_text({"cpu_bytes_per_s": 25e9, "cpu_measured_bytes_per_s": 25e9, "cpu_call_s": 0.0}) == \
         "CPU misses priced at 25.0 GB/s"
     # a rate below 0.05 GB/s (tiny experts, a busy CPU: each call's fixed cost) read "0.0 GB/s", as if free

@@ -412,8 +412,8 @@ def legend_text(t: theme.Theme, mode: str, cpu_only: bool = False, copies: bool 
         return " &nbsp; ".join([_entry(t.accent, "■", "on the device" if copies else "resident"),
                                 _entry(t.cold, "■", "cold"), _entry(t.miss, "●", "missed now")])
     # the colour is where the expert is now; the routing it shows may be from before placement moved it
-    return " &nbsp; ".join([_entry(t.accent, "■", "on the device now: hits"), _entry(t.miss, "■", "cold now: misses"),
-                            _entry(None, "", "(stronger: more routing)")])
+    return " &nbsp; ".join([_entry(t.accent, "■", "on the device now: hits"),
+                            _entry(t.miss, "■", "cold now: misses"), _entry(None, "", "(stronger: more routing)")])
 
 
 def _entry(colour: str | None, mark: str, words: str) -> str:
