@@ -2896,11 +2896,8 @@ def test_every_row_beside_the_grid_has_a_tooltip_with_its_layer_and_hit_rate(qtb
     QToolTip.hideText()
 
 
-def test_the_placement_legend_wraps_under_the_mode_buttons_in_a_narrow_dock_and_nothing_overlaps(qtbot):
-    """The legend sat beside the mode buttons on one line that never wrapped, so it set the view's minimum width (in
-    Residency ~380 pixels, in Traffic ~600): no dock could be made narrower. It wraps now, beside the buttons where its
-    line fits there and on a row of its own under them where it does not: a 250-pixel dock holds the view, with no
-    part over another or cut off."""
+def placement_view_in_a_dock(qtbot, width: int):
+    """A placement view alone in a dock `width` pixels wide, shown, with a Qwen3-30B-like model's statistics."""
     from PySide6.QtWidgets import QVBoxLayout, QWidget
 
     from app.gui.placement_view import PlacementView
@@ -2911,10 +2908,19 @@ def test_the_placement_legend_wraps_under_the_mode_buttons_in_a_narrow_dock_and_
     box = QVBoxLayout(dock)
     box.setContentsMargins(0, 0, 0, 0)
     box.addWidget(view)
-    dock.resize(250, 500)
+    dock.resize(width, 500)
     dock.show()
     qtbot.waitExposed(dock)
     view.set_stats(qwen3_30b_like_stats())
+    return dock, view
+
+
+def test_the_placement_legend_wraps_under_the_mode_buttons_in_a_narrow_dock_and_nothing_overlaps(qtbot):
+    """The legend sat beside the mode buttons on one line that never wrapped, so it set the view's minimum width (in
+    Residency ~380 pixels, in Traffic ~600): no dock could be made narrower. It wraps now, beside the buttons where its
+    line fits there and on a row of its own under them where it does not: a 250-pixel dock holds the view, with no
+    part over another or cut off."""
+    dock, view = placement_view_in_a_dock(qtbot, 250)
     legend, buttons = view.legend, view.residency
 
     def laid_out(width: int, beside: bool) -> None:
@@ -2969,20 +2975,7 @@ def test_the_placement_legend_wraps_between_its_entries_not_inside_one(qtbot):
     """In a 250-pixel dock Traffic's legend wrapped inside an entry: '■ on the device now: hits ■ cold now:' over
     'misses (stronger: more routing)', the red square's words split and 'misses' read as the next entry's. It wraps
     between entries: each line holds whole ones."""
-    from PySide6.QtWidgets import QVBoxLayout, QWidget
-
-    from app.gui.placement_view import PlacementView
-
-    dock = QWidget()
-    qtbot.addWidget(dock)
-    view = PlacementView()
-    box = QVBoxLayout(dock)
-    box.setContentsMargins(0, 0, 0, 0)
-    box.addWidget(view)
-    dock.resize(250, 500)
-    dock.show()
-    qtbot.waitExposed(dock)
-    view.set_stats(qwen3_30b_like_stats())
+    _, view = placement_view_in_a_dock(qtbot, 250)
     view.traffic.setChecked(True)
     qtbot.waitUntil(lambda: view.legend.width() <= 250 and view.legend.y() > view.traffic.geometry().bottom())
     lines = [re.split(r"\s{2,}", line) for line in shown_lines(view.legend)]

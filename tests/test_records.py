@@ -896,11 +896,9 @@ def test_sweep_on_the_simulated_device(tmp_path):
     assert all(p.budget_bytes >= best.budget_bytes for p in points if p.projected_completion_s <= fastest * 1.10)
 
 
-def test_each_sweep_points_first_record_says_the_seconds_of_its_unrecorded_answer(monkeypatch):
-    """Every record of a sweep said warm_up_s 0, which reads as "a record before it said the warm-up": each point's
-    unrecorded answer at its budget took the model's warm-up for its own record, which was thrown away, and the
-    seconds that answer paid (the first answer on the re-planned slots) were nowhere. Each point's first record says
-    them, its records after it 0, as a model's first record after its load does."""
+def _sweep_of_two_points(monkeypatch):
+    """A sweep of two points, two repeats each, on the gpt-oss fixture, and the seconds of each point's unrecorded
+    answer at its budget (the answers run_scenario gives without a label)."""
     from engine.records import sweep
 
     device = SimulatedDevice(1 << 30)
@@ -916,6 +914,15 @@ def test_each_sweep_points_first_record_says_the_seconds_of_its_unrecorded_answe
     monkeypatch.setattr(sweep, "run_scenario", run)
     points = run_sweep(model, device, 2, ["short"], GenerationParams(max_new_tokens=2), repeats=2)
     assert len(unrecorded) == 2 and all(seconds > 0 for seconds in unrecorded)
+    return points, unrecorded
+
+
+def test_each_sweep_points_first_record_says_the_seconds_of_its_unrecorded_answer(monkeypatch):
+    """Every record of a sweep said warm_up_s 0, which reads as "a record before it said the warm-up": each point's
+    unrecorded answer at its budget took the model's warm-up for its own record, which was thrown away, and the
+    seconds that answer paid (the first answer on the re-planned slots) were nowhere. Each point's first record says
+    them, its records after it 0, as a model's first record after its load does."""
+    points, unrecorded = _sweep_of_two_points(monkeypatch)
     assert [[record.timings["warm_up_s"] for record in point.records] for point in points] == [
         [unrecorded[0], 0.0], [unrecorded[1], 0.0]]
 
@@ -927,19 +934,7 @@ def test_every_record_of_a_sweep_point_says_the_warm_up_it_follows(monkeypatch):
     from engine.records import sweep
     from engine.units import duration_text
 
-    device = SimulatedDevice(1 << 30)
-    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
-    unrecorded, real_run = [], sweep.run_scenario
-
-    def run(*args, **kwargs):
-        record = real_run(*args, **kwargs)
-        if not kwargs.get("label"):  # the point's answer before its runs
-            unrecorded.append(record.timings["completion_s"])
-        return record
-
-    monkeypatch.setattr(sweep, "run_scenario", run)
-    points = run_sweep(model, device, 2, ["short"], GenerationParams(max_new_tokens=2), repeats=2)
-    assert len(unrecorded) == 2 and all(seconds > 0 for seconds in unrecorded)
+    points, unrecorded = _sweep_of_two_points(monkeypatch)
     assert [[record.timings["point_warm_up_s"] for record in point.records] for point in points] == [
         [unrecorded[0]] * 2, [unrecorded[1]] * 2]
     assert [point.as_dict()["warm_up_s"] for point in points] == unrecorded
