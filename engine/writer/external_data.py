@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Iterable
+from typing import BinaryIO, Callable, Iterable, Iterator
 
 import numpy as np
 import onnx
@@ -54,11 +54,20 @@ def external_tensor(plan: TensorPlan, location: str, offset: int) -> onnx.Tensor
     return t
 
 
+def placed(plans: Iterable[TensorPlan]) -> Iterator[tuple[TensorPlan, int]]:
+    """Each plan with its offset in model.onnx.data, as write_tensors places it."""
+    end = 0
+    for plan in plans:
+        offset = aligned(end, plan.nbytes)
+        yield plan, offset
+        end = offset + plan.nbytes
+
+
 def total_bytes(plans: Iterable[TensorPlan]) -> int:
     """The size model.onnx.data will have, alignment gaps included."""
     end = 0
-    for plan in plans:
-        end = aligned(end, plan.nbytes) + plan.nbytes
+    for plan, offset in placed(plans):
+        end = offset + plan.nbytes
     return end
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from engine.writer.external_data import aligned, external_tensor, total_bytes, write_tensors
+from engine.writer.external_data import external_tensor, placed, total_bytes, write_tensors
 from engine.writer.folder_files import genai_config, readme, spec_json
 from engine.writer.graph import build_graph, make_model
 from engine.writer.spec import WriterSpec
@@ -49,12 +49,8 @@ def write_sizes(spec: WriterSpec) -> WriteSizes:
 
 def _sizes(spec: WriterSpec) -> WriteSizes:
     plan = build_graph(spec)
-    offset, initializers = 0, []
-    for tensor in plan.tensors:  # as write_tensors places them
-        offset = aligned(offset, tensor.nbytes)
-        initializers.append(external_tensor(tensor, DATA_NAME, offset))
-        offset += tensor.nbytes
-    return WriteSizes(offset, make_model(plan, initializers, "", {}).ByteSize())
+    initializers = [external_tensor(tensor, DATA_NAME, offset) for tensor, offset in placed(plan.tensors)]
+    return WriteSizes(total_bytes(plan.tensors), make_model(plan, initializers, "", {}).ByteSize())
 
 
 def model_data_bytes(spec: WriterSpec) -> int:
