@@ -22,7 +22,6 @@ import weakref
 
 import numba
 import numpy as np
-from numba.np.ufunc.parallel import _launch_threads
 from numba.typed import List
 
 from engine.errors import WorkbenchError
@@ -96,13 +95,8 @@ def compile_loop(kernel, x_dtype) -> bool:
 
 
 def _call_cancelled(layers, params, scratch) -> None:
-    """run_host_parts called with CANCEL set: compiled for these types (or loaded from Numba's cache), then back at
-    once."""
-    # Numba's threading layer launched before the loop may load from the cache. Numba (0.68) records that a cached
-    # function needs it (the loop calls moe_gemv's parallel regions) only where the writing process compiled moe_gemv
-    # too, not where it loaded it from the cache (a library rebuilt from the cache keeps no reload hooks): loaded from
-    # such an entry, the loop's first call in a process that had run no parallel kernel died (SIGSEGV)
-    _launch_threads()
+    """run_host_parts called with CANCEL set: compiled for these types (or loaded from Numba's cache, which launches
+    Numba's threading layer first: numba_cache.calls_parallel), then back at once."""
     cancelled = host_parts.new_counters()
     cancelled[CANCEL] = 1
     host_parts.run_host_parts(layers, params, np.zeros((1, 2), np.int64), cancelled, np.zeros((1, 4), np.int64),

@@ -25,6 +25,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from kernels.cpu.kernels import group_pairs, moe_gemv
+from kernels.cpu.numba_cache import calls_parallel
 
 # counters' slots
 QUEUED, DONE, CANCEL, FAILED = 0, 1, 2, 3
@@ -113,6 +114,7 @@ def read_cycles() -> int:
     return cycles()
 
 
+@calls_parallel
 @njit(nogil=True, cache=True, error_model="numpy")
 def _cpu_part(layer, params, pair_ids, x32, ws, y):
     """The CPU's pairs of one published step (on_cpu != 0) into the block's part, zeroed first; returns the pairs,
@@ -155,6 +157,7 @@ def _cpu_part(layer, params, pair_ids, x32, ws, y):
     return pairs
 
 
+@calls_parallel
 @njit(nogil=True, cache=True, error_model="numpy")
 def run_host_parts(layers, params, jobs, counters, times, pair_ids, x32, ws, y, idle_cycles) -> int:
     """Jobs in order from counters[DONE] until none came for `idle_cycles` or counters[CANCEL] is set; returns the

@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 
 import numba
+from numba.core.caching import FunctionCache
+from numba.np.ufunc.parallel import _launch_threads
 
 HERE = Path(__file__).resolve().parent
 
@@ -40,3 +42,24 @@ def configure() -> Path:
     folder = cache_root() / f"cpu-kernels-{source_digest()}"
     numba.config.CACHE_DIR = str(folder)
     return folder
+
+
+class ThreadsFirstCache(FunctionCache):
+    """Numba's cache of a function, launching Numba's threading layer before it loads an entry."""
+
+    def load_overload(self, sig, target_context):
+        _launch_threads()
+        return super().load_overload(sig, target_context)
+
+
+def calls_parallel(dispatcher):
+    """Mark a cached function that is not parallel but calls a parallel kernel (directly or through another): its
+    entries are loaded after the threading layer is launched, as Numba's own reloader launches it for a parallel one.
+
+    Numba (0.68) records that a cached function needs the threading layer at load (reload_init) only where it is
+    parallel itself or where the process that wrote the entry compiled its parallel callees too: a library rebuilt
+    from the cache keeps no reload hooks, so a caller compiled after its callee was loaded from the cache is written
+    without one (numba#8578). Loaded from such an entry as a process's first kernel call, it ran parallel regions with
+    no threading layer and died (SIGSEGV). tests/test_numba_cache.py checks that every such function is marked."""
+    dispatcher._cache = ThreadsFirstCache(dispatcher.py_func)
+    return dispatcher
