@@ -30,7 +30,7 @@ def open_model(model_folder, fraction: float, **config):
     budget = int(fraction * device_expert_bytes(model_folder))
     model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=budget, **config),
                              device=SimulatedDevice(1 << 30))
-    model.offload.cpu_rate.observe = lambda nbytes, seconds: None
+    model.offload.cpu_rate.observe = lambda nbytes, seconds, layer=None: None
     return model
 
 

@@ -158,7 +158,7 @@ class HybridExpertNode:
             # the miss policy's CPU rate, measured in layers without slots too: a budget raised later uses it at once
             if not shadow and engine.device is not None and decode:
                 # the CPU's experts: the misses less the copied ones (a decode step has no prefill waves)
-                engine.cpu_rate.observe((miss_experts.size - copies) * self.info.bytes_per_expert, cpu_s)
+                engine.cpu_rate.observe((miss_experts.size - copies) * self.info.bytes_per_expert, cpu_s, layer)
             if not shadow and engine.host_cache.budget is not None:
                 engine.host_cache.touch(layer, sorted(set(cold[cold >= 0].tolist())))
         standin = getattr(store, "standin_s", 0.0) - standin_before if pending is not None or waves else 0.0
