@@ -49,7 +49,7 @@ from engine.units import byte_rate
 
 
 _TIE = 1e-12  # relative: values of W this close are equal (choose, copying_pays)
-# A CpuRate's first calls slower than this many times their median call are left out of its fit (CpuRate.warm_ratio):
+# A CpuRate's first calls slower than this many times their fastest are left out of its fit (CpuRate.warm_ratio):
 # the calls of one to eight experts of a steady host's fit lie within k = 8 times one another, a kernel's first call
 # (its compile, cold pages) took 5-90 ms against 0.2-0.6 ms
 WARM_RATIO = 10.0
@@ -99,7 +99,7 @@ class CpuRate:
     policy chose copies up to 1.4x slower (seventy-second session: that line, copies or tier reads of 16-130 µs).
 
     The first `min_calls` calls reach the fit together, once all have come, less those that took more than
-    `warm_ratio` times their median call: warm-up calls (a kernel's first compile, cold pages: 5-90 ms where its calls
+    `warm_ratio` times their fastest: warm-up calls (a kernel's first compile, cold pages: 5-90 ms where its calls
     take 0.2-0.6 ms) left no line for 190-480 calls, the fit keeping 0.98 of the past a call (their times' variance
     all theirs, R² near 0): the average rate priced a Qwen3-30B-A3B-like miss at ~32 GB/s beside the line's 66 +
     180 µs, whose slope is the miss's cost. (The average rate counts them: it prices nothing once a line stands, and
@@ -109,7 +109,10 @@ class CpuRate:
     experts with cold pages and caches: a replay of that Xeon's calls whose first step over 48 layers read their bytes
     at 5 GB/s more (minor faults) priced the next six steps' calls ~5x over. So each layer's first call (observe's
     `layer`) is left out of the fit and the average alike: the next step's calls were priced within 17% (the stream,
-    then the average until the line), the later ones' within 2% (test_a_cpu_rate_leaves_out_each_layers_first_call)."""
+    then the average until the line), the later ones' within 2% (test_a_cpu_rate_leaves_out_each_layers_first_call).
+    A small model's window holds later steps' calls, slow ones too: with half of it slow, its median was a slow call,
+    under which none was left out (four layers whose second step took 5 ms a call priced calls 12-93% off through forty
+    steps); the fastest call is a steady one wherever any is (within 3% from the third step)."""
 
     def __init__(self, keep: float = 0.9, fit: bool = True, fit_keep: float = 0.98, min_calls: int = 8,
                  min_spread: float = 0.2, keep_fit: bool = True, ceiling: float | None = None, min_r2: float = 0.5,
@@ -181,7 +184,7 @@ class CpuRate:
         if len(self._first) >= self.min_calls:
             x, y = np.array(self._first, np.float64).T
             self._first = None
-            self._add(x, y, y <= self.warm_ratio * np.median(y))
+            self._add(x, y, y <= self.warm_ratio * y.min())
 
     def _line(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per byte) of the fitted line, or None where the calls do not give one."""
