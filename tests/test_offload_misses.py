@@ -1002,3 +1002,23 @@ def test_a_cpu_rates_warm_up_window_leaves_out_calls_slow_against_its_fastest():
              for index, (nbytes, seconds, layer) in enumerate(first_step_replay(4, 5e9, steps=40))]
     errors = priced_cost_error(calls, 4, True)
     assert max(errors[2:]) < 0.03
+
+
+def test_a_cpu_rates_lines_follow_settings_changed_after_a_read():
+    # calls of 1-8 experts on 100 GB/s + 110 µs, then calls 10 µs off 150 GB/s + 100 µs either way, read once; each
+    # setting changed then (bench_offload_ab's rate.NAME switches set them on a running rate) and read again: what a
+    # fresh rate with that setting fed the same calls reads, where the lines made were kept until the next call, and
+    # the sums and the average kept the old fit_keep's weights and ceiling's clamp (90 GB/s: the 98 GB/s line refused;
+    # 50 GB/s: the 10 MB calls' ~60 GB/s clamped too)
+    calls = line_calls(100e9, 110e-6) + scattered_calls(10e-6)
+
+    def read(rate: CpuRate) -> tuple:
+        return rate.value, rate.fixed_s, *rate.priced(100e9), rate.average
+
+    settings = {"ceiling": 240e9, "stream": 120e9}
+    for name, value in (("fit_keep", 0.9), ("ceiling", 50e9), ("ceiling", 90e9), ("min_r2", 0.95), ("keep", 0.5)):
+        rate = observed(CpuRate(**settings), calls)
+        before = read(rate)
+        setattr(rate, name, value)
+        fresh = read(observed(CpuRate(**{**settings, name: value}), calls))
+        assert read(rate) == fresh and fresh != pytest.approx(before, rel=1e-3), name

@@ -41,6 +41,7 @@ nvfp4 / mxfp4, with the fp16 block-scale copy), read_bytes what the device reads
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,6 +54,9 @@ _TIE = 1e-12  # relative: values of W this close are equal (choose, copying_pays
 # the calls of one to eight experts of a steady host's fit lie within k = 8 times one another, a kernel's first call
 # (its compile, cold pages) took 5-90 ms against 0.2-0.6 ms
 WARM_RATIO = 10.0
+# The calls a CpuRate keeps to take again where its settings change (CpuRate._settle): at fit_keep 0.98 and keep 0.9,
+# an older call weighs under 1e-35 of the newest
+HISTORY = 4096
 
 
 class CpuRate:
@@ -120,17 +124,42 @@ class CpuRate:
         self.keep, self.fit, self.fit_keep, self.min_calls, self.min_spread = keep, fit, fit_keep, min_calls, min_spread
         self.keep_fit, self.ceiling, self.min_r2, self.max_fixed_share = keep_fit, ceiling, min_r2, max_fixed_share
         self.stream, self.warm_ratio = stream, warm_ratio
-        self._first: list[tuple[float, float]] | None = []  # the first calls, until min_calls came (then None)
         self._layers: set[int] = set()  # the layers whose first call came (observe)
-        self.average: float | None = None
+        self._settings = self._settings_now()  # those the calls were taken under (_settle)
+        self._start(warm=True)
+
+    def _start(self, warm: bool) -> None:
+        """No call taken yet; `warm`: the first calls still to come (the warm-up window, see the class docstring)."""
+        self._first: list[tuple[float, float]] | None = [] if warm else None  # the first calls, until min_calls came
+        self._average: float | None = None
         self._sums = [0.0] * 6  # weighted count, Σx, Σy, Σx², Σxy, Σy² (x bytes, y seconds)
         self._calls = 0
+        self._taken: deque[tuple[float, float]] = deque(maxlen=HISTORY)  # the latest calls taken (_settle)
         self._fitted: tuple[float, float] | None = None  # _line(), computed when read after new calls
         self._stale = False
         self._kept = False  # _fitted is a kept slope through the recent calls (_through_recent), not their own line
         # (stream, priced()'s line held to it, None where refused), kept until calls come as _fitted is: priced() runs
         # at every layer whose misses the policy prices, and made the held line again each time
         self._held: tuple[float, tuple[float, float] | None] | None = None
+
+    def _settings_now(self) -> tuple:
+        return (self.keep, self.fit_keep, self.min_calls, self.min_spread, self.keep_fit, self.ceiling, self.min_r2,
+                self.max_fixed_share, self.stream, self.warm_ratio)
+
+    def _settle(self) -> None:
+        """Where a setting changed since the calls were taken (bench_offload_ab's rate.NAME switches set them on a
+        running rate), the calls kept are taken again under the settings now, as a fresh rate fed them would take them:
+        the sums weigh their calls by fit_keep as they come and the average clamps each to the ceiling, and the lines
+        made from them were kept until the next call. The latest HISTORY calls only: older ones, once dropped, are
+        not taken again (the warm-up window is over by then)."""
+        settings = self._settings_now()
+        if settings == self._settings:
+            return
+        self._settings, calls, count = settings, list(self._taken), self._calls
+        self._start(warm=count == len(calls))
+        for nbytes, seconds in calls:
+            self._take(nbytes, seconds)
+        self._calls = count
 
     def observe(self, nbytes: int, seconds: float, layer: int | None = None) -> None:
         """A call of `nbytes` of experts that took `seconds`; `layer`: the layer it ran for, whose first call is left
@@ -140,9 +169,14 @@ class CpuRate:
         if layer is not None and layer not in self._layers:
             self._layers.add(layer)  # its first call: cold pages, caches and threads
             return
-        rate = nbytes / seconds if self.ceiling is None else min(nbytes / seconds, self.ceiling)
-        self.average = rate if self.average is None else self.keep * self.average + (1 - self.keep) * rate
-        keep, x, y = self.fit_keep, float(nbytes), float(seconds)
+        self._take(float(nbytes), float(seconds))
+
+    def _take(self, x: float, y: float) -> None:
+        """A call of x bytes in y seconds into the average and the fit."""
+        self._taken.append((x, y))
+        rate = x / y if self.ceiling is None else min(x / y, self.ceiling)
+        self._average = rate if self._average is None else self.keep * self._average + (1 - self.keep) * rate
+        keep = self.fit_keep
         if self._first is None:
             self._sums = [keep * old + new for old, new in zip(self._sums, (1.0, x, y, x * x, x * y, y * y))]
         else:
@@ -159,11 +193,12 @@ class CpuRate:
         x, y = x[counted], y[counted]
         if x.size == 0:
             return
+        self._taken.extend(zip(x.tolist(), y.tolist()))
         rates = x / y if self.ceiling is None else np.minimum(x / y, self.ceiling)
-        if self.average is None:
-            self.average, rates = float(rates[0]), rates[1:]
+        if self._average is None:
+            self._average, rates = float(rates[0]), rates[1:]
         weights = self.keep ** np.arange(rates.size - 1, -1, -1)
-        self.average = self.keep ** rates.size * self.average + (1 - self.keep) * float(weights @ rates)
+        self._average = self.keep ** rates.size * self._average + (1 - self.keep) * float(weights @ rates)
         self._calls += x.size
         self._stale = True
         while self._first is not None and x.size:
@@ -214,6 +249,7 @@ class CpuRate:
         return (fixed, slope) if slope > 0 and sane and not faster and explained else None
 
     def _current(self) -> tuple[float, float] | None:
+        self._settle()
         if not self.fit:
             return None
         if self._stale:
@@ -246,7 +282,7 @@ class CpuRate:
             held = self._through_recent(slope) if self._kept else self._checked(sy / w - slope * sx / w, slope, slope)
             self._held = stream, held
         held = self._held[1]
-        return (1.0 / held[1], held[0]) if held else (min(self.average, stream), 0.0)
+        return (1.0 / held[1], held[0]) if held else (min(self._average, stream), 0.0)
 
     def _through_recent(self, slope: float) -> tuple[float, float]:
         """A kept line's slope through the mean of the calls the sums hold now (their fixed cost at least 0): calls of
@@ -258,10 +294,16 @@ class CpuRate:
         return max(sy / w - slope * sx / w, 0.0), slope
 
     @property
+    def average(self) -> float | None:
+        """The average rate (see the class docstring), None until measured."""
+        self._settle()
+        return self._average
+
+    @property
     def value(self) -> float | None:
         """Bytes per second of one more miss in a call (the fit's slope), else the average rate."""
         line = self._current()
-        return 1.0 / line[1] if line else self.average
+        return 1.0 / line[1] if line else self._average
 
     @property
     def fixed_s(self) -> float:
