@@ -206,8 +206,9 @@ def _targets(model: LoadedModel, name: str) -> tuple[list, str, str]:
     return gpu_kernels(model), attribute, "GpuQMoE"
 
 
-def current_switches(model: LoadedModel, names) -> dict[str, int | float]:
-    """The values the named switches have now (an attribute as the first kernel has it; a float stays one)."""
+def current_switches(model: LoadedModel, names) -> dict[str, int | float | None]:
+    """The values the named switches have now (an attribute as the first kernel has it; a float stays one, and None,
+    as a CPU rate's ceiling or stream on the simulated device, stays None so that it is set back as it was)."""
     values = {}
     for name in names:
         if name in DENSE_SWITCHES:
@@ -216,7 +217,7 @@ def current_switches(model: LoadedModel, names) -> dict[str, int | float]:
         kernels, attribute, _ = _targets(model, name)
         if kernels and hasattr(kernels[0], attribute):
             value = getattr(kernels[0], attribute)
-            values[name] = value if isinstance(value, float) else int(value)
+            values[name] = value if value is None or isinstance(value, float) else int(value)
     return values
 
 

@@ -142,6 +142,20 @@ def test_rate_switches_set_the_engines_cpu_rate():
         ab.set_switches(model, {"rate.no_such": 1})
 
 
+def test_a_rate_without_a_ceiling_is_set_back_without_one():
+    """The simulated device's CPU rate has no ceiling and no stream (None): a variant that sets one is undone."""
+    import benchmarks.bench_offload_ab as ab
+    from engine.offload.miss_policy import CpuRate
+
+    rate = CpuRate()
+    model = type("Model", (), {"offload": type("Engine", (), {"cpu_rate": rate, "split_rate": CpuRate()})()})()
+    defaults = ab.current_switches(model, {"rate.ceiling", "rate.stream"})
+    assert defaults == {"rate.ceiling": None, "rate.stream": None}
+    ab.set_switches(model, {"rate.ceiling": 5e10})
+    ab.set_switches(model, defaults)
+    assert rate.ceiling is None and rate.stream is None
+
+
 def test_engine_switches_set_the_offload_engines_attributes():
     import benchmarks.bench_offload_ab as ab
 
