@@ -1101,20 +1101,30 @@ def test_the_contention_tables_last_column_is_time_together_over_alone_and_says_
     assert [view.table.item(r, 3).text() for r in range(2)] == ["0.65× (faster)", "1.00×"]
 
 
-def test_the_saved_h100_contention_report_reads_as_a_report_made_now():
-    """docs/h100/contention.md, the README's contention report, was saved before the column was renamed: it kept
-    "slowdown" over 0.91x and 0.81x, both runs faster together. Its table has the header and the words markdown()
-    gives."""
+def test_the_saved_h100_contention_report_says_it_is_in_an_older_format_than_a_report_made_now():
+    """docs/h100/contention.md, the README's contention report, was saved on 2026-12-05 and its header and ratios
+    brought to markdown()'s by hand, but it still read as a report made now where it is not one: its times are "0.79 s"
+    where duration_text gives "790 ms", and it names no model, device or answers. Nothing kept the run's unrounded times
+    or settings (docs/h100's JSON files are the record and the sweep), so it cannot be made again: it says so above its
+    table, which has the header and the ratios' words markdown() gives."""
     from engine.records.contention import RATIO_HEADER, ratio_words
+    from engine.units import duration_text
 
-    lines = (Path(__file__).parent.parent / "docs" / "h100" / "contention.md").read_text().splitlines()
+    text = (Path(__file__).parent.parent / "docs" / "h100" / "contention.md").read_text()
+    lines = text.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("| workload"))
     assert lines[head:head + 2] == [f"| workload | alone | together | {RATIO_HEADER} |", "|---|---|---|---|"]
+    times = []
     for row in lines[head + 2:head + 4]:
         alone, together, ratio = (cell.strip() for cell in row.strip("| ").split(" | ")[1:])
         figure = float(ratio.split("x")[0])
         assert ratio == ratio_words(figure, "x"), row
         assert figure == pytest.approx(float(together[:-2]) / float(alone[:-2]), abs=0.05), row
+        times += [alone, together]
+    assert [duration_text(float(time[:-2])) for time in times] != times  # as no report made now gives them
+    note = " ".join(lines[:head])
+    assert note.startswith("A record of a report in the format of 2026-12-05, when `moe-workbench contention` made it")
+    assert "so it is not made again" in note
 
 
 def test_the_windows_record_and_contention_test_past_the_context_do_not_say_to_start_a_new_conversation(
