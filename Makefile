@@ -11,8 +11,16 @@ $(error packaging/select_runtime.py chose no onnxruntime build (why: the line ab
 endif
 endif
 STAMP := $(VENV)/.installed-$(RUNTIME)
+# A .venv made with another Python (make PYTHON=python3.12 … after a make with python3.14, or python3 upgraded since)
+# is made afresh: pip installed into the old one, where the wheels the runtime was chosen for may not exist.
+VENV_PYTHON := $(shell sed -n 's/^version *= *\([0-9]*\.[0-9]*\).*/\1/p' $(VENV)/pyvenv.cfg 2>/dev/null)
+ifneq ($(VENV_PYTHON),)
+ifneq ($(VENV_PYTHON),$(shell $(PYTHON) -c 'import sys; print(*sys.version_info[:2], sep=".")'))
+$(VENV_READY): FORCE
+endif
+endif
 
-.PHONY: run test install desktop clean
+.PHONY: run test install desktop clean FORCE
 
 run: $(STAMP)
 	$(PY) -m app
@@ -36,7 +44,7 @@ CONFLICTS_cpu := onnxruntime-gpu
 CONFLICTS_cuda12 := onnxruntime cupy-cuda13x
 CONFLICTS_cuda13 := onnxruntime cupy-cuda12x
 
-$(STAMP): pyproject.toml packaging/select_runtime.py | $(VENV_READY)
+$(STAMP): pyproject.toml packaging/select_runtime.py $(VENV_READY)
 	rm -f $(VENV)/.installed-*
 	$(PY) -m pip uninstall --quiet -y $(CONFLICTS_$(RUNTIME)) 2>/dev/null || true
 	$(PY) -m pip install --quiet -e ".[$(RUNTIME),test]"

@@ -60,7 +60,7 @@ def choose(driver_major: int | None, override: str | None = None,
     version = ".".join(map(str, python))
     if python < OLDEST_PYTHON:
         raise SystemExit(f"moe-workbench needs Python {'.'.join(map(str, OLDEST_PYTHON))} or newer; this is "
-                         f"{version} (make PYTHON=python3.12 …, and make clean if .venv was made with it)")
+                         f"{version} (make PYTHON=python3.12 …)")
     if override:
         if override not in CHOICES:
             raise SystemExit(f"MOE_WORKBENCH_RUNTIME must be one of {', '.join(CHOICES)}, got '{override}'")

@@ -138,6 +138,19 @@ def test_a_venv_whose_creation_was_cut_short_is_made_afresh(tmp_path):
     assert f"-m venv --clear {venv}" in make(tmp_path, "-n", "install", runtime="cpu").stdout
 
 
+
+@needs_make
+def test_a_venv_made_with_another_python_is_made_afresh(tmp_path):
+    # make PYTHON=python3.13 after a .venv of 3.14 chose the CUDA 12 build for 3.13 and installed it into the 3.14
+    # .venv, where onnxruntime-gpu 1.23 has no wheels (select_runtime's own refusal advised that command)
+    venv = stand_in_venv(tmp_path)
+    (venv / ".installed-cpu").touch()
+    (venv / "pyvenv.cfg").write_text(f"home = /usr/bin\nversion = {sys.version_info[0]}.{sys.version_info[1]}.99\n")
+    assert make(tmp_path, "-n", "install", runtime="cpu").stdout.count(str(venv)) == 0  # this Python's: up to date
+    (venv / "pyvenv.cfg").write_text("home = /usr/bin\nversion = 3.9.18\n")
+    done = make(tmp_path, "-n", "install", runtime="cpu").stdout
+    assert f"-m venv --clear {venv}" in done and '-m pip install --quiet -e ".[cpu,test]"' in done
+
 def desktop_file_problems(path) -> str:
     validate = shutil.which("desktop-file-validate")
     return subprocess.run([validate, str(path)], capture_output=True, text=True).stdout if validate else ""
