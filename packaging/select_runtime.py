@@ -11,6 +11,7 @@ so it also refuses a Python the project does not support (make then stops before
 from __future__ import annotations
 
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -24,6 +25,9 @@ CUDA12_DRIVER = 525
 OLDEST_PYTHON = (3, 11)  # pyproject's requires-python
 # onnxruntime-gpu for CUDA 12 is 1.23 (pyproject's cuda12 extra; later builds are for CUDA 13): no wheels past 3.13
 CUDA12_NEWEST_PYTHON = (3, 13)
+# and for x86-64 alone (platform.machine(): x86_64 on Linux, AMD64 on Windows); onnxruntime-gpu 1.31, the CUDA 13
+# build, has aarch64 wheels too
+CUDA12_MACHINES = ("x86_64", "AMD64")
 
 
 def driver_major_in_proc(text: str) -> int | None:
@@ -55,7 +59,7 @@ def nvidia_driver_version() -> int | None:
 
 
 def choose(driver_major: int | None, override: str | None = None,
-           python: tuple[int, int] = sys.version_info[:2]) -> str:
+           python: tuple[int, int] = sys.version_info[:2], machine: str = platform.machine()) -> str:
     """The extra for this machine; SystemExit with the reason where none can be installed."""
     version = ".".join(map(str, python))
     if python < OLDEST_PYTHON:
@@ -73,6 +77,9 @@ def choose(driver_major: int | None, override: str | None = None,
         raise SystemExit(f"onnxruntime-gpu for CUDA 12 has no wheels for Python {version}: use Python 3.11-3.13 "
                          f"(make PYTHON=python3.13 …), a driver {CUDA13_DRIVER} or newer (CUDA 13), "
                          "or MOE_WORKBENCH_RUNTIME=cpu")
+    if runtime == "cuda12" and machine not in CUDA12_MACHINES:
+        raise SystemExit(f"onnxruntime-gpu for CUDA 12 has no wheels for {machine}: use a driver {CUDA13_DRIVER} or "
+                         "newer (CUDA 13), or MOE_WORKBENCH_RUNTIME=cpu")
     return runtime
 
 

@@ -18,9 +18,9 @@ import select_runtime  # noqa: E402
 needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 
 
-def choose(driver_major, override=None, python=(3, 12)):
-    """The choice on a Python every build has wheels for, whichever Python runs the suite."""
-    return select_runtime.choose(driver_major, override, python)
+def choose(driver_major, override=None, python=(3, 12), machine="x86_64"):
+    """The choice on a Python and a machine every build has wheels for, whichever runs the suite."""
+    return select_runtime.choose(driver_major, override, python, machine)
 
 
 def test_runtime_selection():
@@ -47,6 +47,18 @@ def test_a_python_the_wheels_do_not_exist_for_is_refused_before_install():
         choose(None, "cuda12", python=(3, 14))
     assert choose(550, python=(3, 13)) == "cuda12"
 
+
+
+def test_a_cuda_12_driver_on_arm_is_refused_before_install():
+    # onnxruntime-gpu 1.22-1.23 has Linux wheels for x86-64 alone: a Grace Hopper with driver 550 got the cuda12 extra
+    # and pip found no onnxruntime-gpu to install; the CUDA 13 build and the CPU build have aarch64 wheels
+    with pytest.raises(SystemExit, match="onnxruntime-gpu for CUDA 12 has no wheels for aarch64: use a driver 580 or "
+                                         "newer"):
+        choose(550, machine="aarch64")
+    with pytest.raises(SystemExit, match="no wheels for aarch64"):
+        choose(None, "cuda12", machine="aarch64")
+    assert choose(580, machine="aarch64") == "cuda13" and choose(None, machine="aarch64") == "cpu"
+    assert choose(470, machine="aarch64") == "cpu"
 
 PROPRIETARY = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.183.01  Sun May 12 19:39:15 UTC 2024\n"
 OPEN = ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build  "
