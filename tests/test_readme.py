@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 
 from tests.conftest import REPO
 
@@ -166,3 +167,18 @@ def test_every_relative_link_in_the_readme_and_the_markdown_files_under_docs_res
     assert {path.name for path, _target in links} == {"README.md", "contention.md"}
     missing = [f"{path.relative_to(REPO)}: {target}" for path, target in links if not (path.parent / target).exists()]
     assert missing == []
+
+
+def test_the_readme_says_where_the_history_and_the_saved_configurations_are():
+    # a sweep's --save-as kept its recommendation "in `configurations.json` there", a "there" that named no folder
+    import os
+
+    from engine.records import configurations, history
+
+    said = README.replace("\n", " ")
+    assert ("live in SQLite, `history.sqlite3` in the user data folder (`moe-workbench` in `$XDG_DATA_HOME`, else in "
+            "`~/.local/share`, on Linux)") in said
+    assert "in `configurations.json` beside the history," in said
+    folder = Path(os.environ["XDG_DATA_HOME"]) / "moe-workbench"  # (tests/conftest.py sets it)
+    assert history.default_path() == folder / "history.sqlite3"
+    assert configurations.default_path() == folder / "configurations.json"
