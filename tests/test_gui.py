@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,7 @@ from engine.offload.config import OffloadConfig  # noqa: E402
 from engine.ort_env import cpu_threads  # noqa: E402
 from engine.offload.decode_path import tier_bytes  # noqa: E402
 from engine.units import counted, human_bytes  # noqa: E402
-from tests.conftest import fixture_folder  # noqa: E402
+from tests.conftest import REPO, fixture_folder  # noqa: E402
 
 WAIT = 120_000
 
@@ -3524,3 +3525,33 @@ def test_each_alt_letter_of_the_window_opens_one_thing(window):
     titles += [window.tabs.tabText(i) for i in range(window.tabs.count())]
     letters = [letter(title) for title in titles if letter(title)]
     assert len(letters) == len(set(letters)), titles
+
+
+def test_the_screenshot_script_says_why_a_load_failed_and_what_one_still_did_at_its_limit(qtbot, window, tmp_path,
+                                                                                           monkeypatch):
+    """docs/make_screenshot.py waited 300 s for the model loaded and the window idle: a load that failed waited it out,
+    and one whose first run was still compiling its CPU kernels (five minutes on a busy 2-core machine) gave up, both
+    saying "the model did not load: " and no more; the script then aborted, its engine thread still running."""
+    import importlib.util
+
+    from app.gui import engine_worker
+
+    spec = importlib.util.spec_from_file_location("make_screenshot", REPO / "docs" / "make_screenshot.py")
+    shot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shot)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    started = time.monotonic()
+    said = shot.load(window, empty, timeout=WAIT / 1000)
+    assert time.monotonic() - started < WAIT / 2000
+    assert said == f"the model did not load: {window.last_error}" and said.startswith("the model did not load: Could ")
+    assert str(empty) in said
+    compiled = threading.Event()
+    monkeypatch.setattr(engine_worker, "warm_model", lambda model: compiled.wait(WAIT / 1000))
+    assert shot.load(window, fixture_folder("gptoss"), timeout=3) == (
+        "the model did not load in 3 s: Preparing the CPU kernels…")
+    compiled.set()
+    window.unload()
+    qtbot.waitUntil(lambda: window.loaded_path is None and not window.busy, timeout=WAIT)
+    assert shot.load(window, fixture_folder("gptoss"), timeout=WAIT / 1000) == ""
+    assert same(window.loaded_path, fixture_folder("gptoss"))
