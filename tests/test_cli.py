@@ -1767,6 +1767,23 @@ def test_an_x_display_without_the_libraries_qts_xcb_plugin_needs_is_said_in_one_
                            loadable=present.__contains__) is None
 
 
+def test_the_libraries_qt_links_that_are_missing_are_said_in_one_line_with_their_packages():
+    """Qt's GUI module links libEGL, libGL, fontconfig, … which PySide6's wheel does not bring: on a slim container the
+    window's import failed, said as "internal error: libEGL.so.1: cannot open shared object file", the first alone and
+    no package (the X libraries' check is for the xcb platform alone, and passed there)."""
+    from app.gui.main import QT_LIBRARIES, qt_library_problem
+
+    present = set(QT_LIBRARIES) - {"libEGL.so.1", "libglib-2.0.so.0", "libgthread-2.0.so.0"}
+    problem = qt_library_problem("linux", loadable=present.__contains__)
+    assert problem.startswith("the window needs libraries Qt links that are not installed: libEGL.so.1, "
+                              "libglib-2.0.so.0, libgthread-2.0.so.0 (Debian, Ubuntu: apt install libegl1 "
+                              "libglib2.0-0); the commands inspect, generate, record, sweep and contention work "
+                              "without one"), problem
+    assert qt_library_problem("linux", loadable=QT_LIBRARIES.__contains__) is None
+    assert qt_library_problem("win32", loadable=present.__contains__) is None
+    assert qt_library_problem() is None  # this machine runs the suite's window tests: it has them all
+
+
 def test_an_x_display_no_server_answers_at_is_said_in_one_line():
     """A DISPLAY left from an earlier session (tmux, ssh): Qt aborts there too, advising a reinstall."""
     import pytest

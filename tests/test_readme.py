@@ -147,6 +147,14 @@ def test_the_x_libraries_the_readme_names_are_the_ones_the_window_checks_for():
     assert set(re.search(r"\(Debian: `([^`]+)`\)", said).group(1).split()) == set(map(debian_package, XCB_LIBRARIES))
 
 
+def test_the_libraries_qt_links_that_the_readme_names_are_the_ones_the_window_checks_for():
+    from app.gui.main import QT_LIBRARIES
+
+    said = README[README.index("Qt's own GUI modules, which the window and the test suite"):]
+    said = said[:said.index("names those missing in one line")]
+    assert re.search(r"\(Debian: `([^`]+)`\)", said).group(1).split() == list(dict.fromkeys(QT_LIBRARIES.values()))
+
+
 def test_every_file_the_readme_names_is_in_the_checkout():
     # files a model folder, the history or the window writes, not the checkout's
     written = {"genai_config.json", "model.onnx", "model.onnx.data", "configurations.json", "FILE.bad"}

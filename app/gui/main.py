@@ -13,6 +13,12 @@ from engine.model_folder import folder_path
 # The X libraries Qt's xcb platform plugin loads that a machine without a desktop may lack (Qt's X11 requirements)
 XCB_LIBRARIES = ("libxcb-cursor.so.0", "libxcb-icccm.so.4", "libxcb-image.so.0", "libxcb-keysyms.so.1",
                  "libxcb-render-util.so.0", "libxcb-shape.so.0", "libxcb-xkb.so.1", "libxkbcommon-x11.so.0")
+# The libraries Qt's GUI modules link that PySide6's wheel does not bring (nor a Debian system's required packages), on
+# every platform (offscreen too), with their Debian packages: a desktop has them, a slim container not
+QT_LIBRARIES = {"libEGL.so.1": "libegl1", "libGL.so.1": "libgl1", "libX11.so.6": "libx11-6",
+                "libdbus-1.so.3": "libdbus-1-3", "libfontconfig.so.1": "libfontconfig1", "libfreetype.so.6": "libfreetype6",
+                "libxkbcommon.so.0": "libxkbcommon0", "libglib-2.0.so.0": "libglib2.0-0",
+                "libgthread-2.0.so.0": "libglib2.0-0"}
 WITHOUT_A_WINDOW = "the commands inspect, generate, record, sweep and contention work without one (moe-workbench --help)"
 
 
@@ -74,6 +80,16 @@ def display_problem(environ=None, platform: str = sys.platform, loadable=_loadab
     return None
 
 
+def qt_library_problem(platform: str = sys.platform, loadable=_loadable) -> str | None:
+    """The libraries Qt's GUI module needs that are not installed, in one line, else None (importing it said only the
+    first, as an internal error)."""
+    missing = [library for library in QT_LIBRARIES if platform.startswith("linux") and not loadable(library)]
+    if not missing:
+        return None
+    return (f"the window needs libraries Qt links that are not installed: {', '.join(missing)} (Debian, Ubuntu: apt "
+            f"install {' '.join(dict.fromkeys(QT_LIBRARIES[library] for library in missing))}); {WITHOUT_A_WINDOW}")
+
+
 def _report_errors_in(window) -> None:
     """An exception escaping a slot becomes a message in the window (and a traceback on stderr)."""
     import traceback
@@ -94,7 +110,7 @@ def _report_errors_in(window) -> None:
 
 
 def run_gui(model: str | None = None) -> int:
-    problem = display_problem()
+    problem = display_problem() or qt_library_problem()
     if problem:
         raise WorkbenchError(problem)
     if model:
