@@ -190,3 +190,26 @@ def test_the_readme_says_where_the_history_and_the_saved_configurations_are():
     folder = Path(os.environ["XDG_DATA_HOME"]) / "moe-workbench"  # (tests/conftest.py sets it)
     assert history.default_path() == folder / "history.sqlite3"
     assert configurations.default_path() == folder / "configurations.json"
+
+
+def test_the_keys_the_readme_gives_for_sweep_json_are_the_ones_it_prints(tmp_path, capsys):
+    # the README's list of the object's keys left out warm_up, the unrecorded answer before the first point
+    import json
+
+    from app.cli import main
+    from tests.conftest import fixture_folder
+
+    said = README.replace("\n", " ")
+    said = said[said.index("`sweep --json` prints one object: "):]
+    said = said[:said.index(", null where the sweep stopped early")]
+    rows = said[said.index("`points`, a row per point ("):said.index("), then `recommended_budget_bytes`")]
+    top = re.sub(r"\([^()]*\)", "", said.replace(rows, "`points`"))  # (less what the parentheses say of each key)
+    warm_up = said[said.index("`warm_up`"):said.index("`points`")]
+    assert main(["sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--max-new-tokens", "2", "--repeats",
+                 "1", "--points", "2", "--history", str(tmp_path / "h.sqlite"), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert re.findall(r"`([a-z_]+)`", top) == list(printed)
+    # every row's keys, and under approximate routing (not run here) its token agreement
+    named = set(re.findall(r"`([a-z_]+)`", rows))
+    assert set(printed["points"][0]) <= named and named - set(printed["points"][0]) == {"points", "routing_agreement"}
+    assert re.findall(r"`([a-z_]+)`", warm_up)[1:] == list(printed["warm_up"])
