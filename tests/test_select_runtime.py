@@ -4,6 +4,7 @@ driver and the Python version are given; make runs with -n, printing what it wou
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -78,6 +79,48 @@ def test_driver_version_from_proc_or_nvidia_smi(tmp_path, monkeypatch):
     proc.write_text(OPEN)
     assert select_runtime.nvidia_driver_version() == 580  # /proc alone (nvidia-smi not installed)
 
+
+
+def test_driver_version_from_nvidia_smi_where_proc_says_none(tmp_path, monkeypatch):
+    proc = tmp_path / "version"
+    proc.write_text("NVRM version: a format no release wrote\n")
+    monkeypatch.setattr(select_runtime, "PROC_VERSION", proc)
+    monkeypatch.setattr(select_runtime.shutil, "which", lambda name: f"/usr/bin/{name}")
+    answers = iter(["550.54.15\n", "No devices were found\n", subprocess.TimeoutExpired("nvidia-smi", 20)])
+    asked = []
+
+    def run(command, **kwargs):
+        asked.append(command)
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return subprocess.CompletedProcess(command, 0, stdout=answer, stderr="")
+
+    monkeypatch.setattr(select_runtime.subprocess, "run", run)
+    assert [select_runtime.nvidia_driver_version() for _ in range(3)] == [550, None, None]
+    assert asked == [["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]] * 3
+
+
+@pytest.mark.skipif(select_runtime.PROC_VERSION.exists(), reason="an NVIDIA driver is loaded here: /proc names it")
+@pytest.mark.parametrize("driver, chosen, note", [
+    ("550.54.15", "cuda12", ""), ("580.65.06", "cuda13", ""), (None, "cpu", ""),
+    ("470.256.02", "cpu", "NVIDIA driver 470 is older than CUDA 12 needs (525): installing the CPU build of "
+                          "onnxruntime (a newer driver gets the GPU build)\n")])
+def test_the_script_prints_the_build_for_the_driver_nvidia_smi_reports(tmp_path, driver, chosen, note):
+    # what make's $(shell) reads: the choice alone on standard output, a note on standard error
+    if chosen == "cuda12" and platform.machine() not in select_runtime.CUDA12_MACHINES:
+        pytest.skip("the CUDA 12 build has no wheels for this machine (refused: tested above)")
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    if driver:
+        smi = tools / "nvidia-smi"
+        smi.write_text(f"#!/bin/sh\necho {driver}\n")
+        smi.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "MOE_WORKBENCH_RUNTIME"}
+    env["PATH"] = str(tools)  # (no other nvidia-smi)
+    done = subprocess.run([sys.executable, str(REPO / "packaging" / "select_runtime.py")], env=env, capture_output=True,
+                          text=True)
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"{chosen}\n", note)
 
 def make(tmp_path, *args, runtime: str | None = None) -> subprocess.CompletedProcess:
     """`make ARGS` for a .venv in tmp_path, with MOE_WORKBENCH_RUNTIME=runtime and the user's data folder there too."""
