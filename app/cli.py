@@ -58,11 +58,20 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         # argparse (3.11) takes -1 and -.5 for values but -1e-3 for an option's name, "expected one argument"
         self._negative_number_matcher = re.compile(r"^-([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$")
+        self.words = []  # what this parser was given to parse (a command's: the words after its name)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.words = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str):
         if re.fullmatch(f"argument ({'|'.join(FREE_TEXT)}): expected one argument", message):
             option = message.split()[1].removesuffix(":")
-            message += f" (one that starts with '-' is given as {option}=VALUE)"
+            last = self.words[-1] if self.words else ""
+            if last.startswith("--") and option.startswith(last):  # the line ends at it (or at its abbreviation)
+                message += " (its value is missing at the end of the line)"
+            else:
+                message += f" (one that starts with '-' is given as {option}=VALUE)"
         super().error(message)
 
 

@@ -2822,6 +2822,24 @@ def test_free_text_that_starts_with_a_dash_is_the_options_value(cli):
             "given as --prompt=VALUE)"), result.stderr
 
 
+def test_a_free_text_option_that_ends_the_line_is_said_to_lack_its_value(cli):
+    """`generate M --prompt`, the line ended before the prompt, was told how to give a value that starts with '-'
+    (--prompt=VALUE), as if one had been given: it is told the value is missing. An option's name after it keeps
+    that hint."""
+    gptoss = str(fixture_folder("gptoss"))
+    for argv, option in ((("generate", gptoss, "--prompt"), "--prompt"),
+                         (("generate", gptoss, "--prom"), "--prompt"),  # (argparse's abbreviation)
+                         (("generate", gptoss, "--prompt", "hi", "--stop"), "--stop"),
+                         (("history", "--model"), "--model")):
+        result = cli(*argv)
+        assert result.returncode == 2 and result.stderr.splitlines()[-1] == (
+            f"moe-workbench {argv[0]}: error: argument {option}: expected one argument (its value is missing at the "
+            "end of the line)"), result.stderr
+    result = cli("generate", gptoss, "--prompt", "--json")
+    assert result.returncode == 2 and result.stderr.splitlines()[-1].endswith(
+        "(one that starts with '-' is given as --prompt=VALUE)"), result.stderr
+
+
 def test_a_reasoning_setting_the_template_lacks_is_named_as_the_option(copy_fixture, cli):
     """generate named --reasoning's value as the window's setting ("reasoning 'high'"), not the option typed."""
     from tests.test_reasoning_templates import qwen3_folder
