@@ -1234,26 +1234,24 @@ def _cmd_history(args) -> int:
         raise WorkbenchError(f"--scenario {args.scenario!r}: runs are of scenario {', '.join(map(repr, known))}")
     history = History(args.history, create=False)
     filters = {"model": args.model, "scenario": args.scenario, "label": args.label, "ids": args.id}
+    rows = history.rows(**filters)  # read once: the rows checked are the rows printed
+    absent = sorted(set(args.id or ()) - {row["id"] for row in rows})
+    if absent:  # every id checked before any run is printed: a script reads all of them or none
+        # read again only here, for which of them the history lacks
+        missing = sorted(set(absent) - {row["id"] for row in history.rows(ids=absent)})
+        if missing:
+            raise WorkbenchError(f"{history.path}: no run{'s' * (len(missing) > 1)} {', '.join(map(str, missing))}")
+        # a run asked for by id that the other filters leave out would be left out unsaid
+        given = ", ".join(f"--{name} {getattr(args, name)!r}" for name in ("model", "scenario", "label")
+                          if getattr(args, name))
+        raise WorkbenchError(f"{history.path}: run{'s' * (len(absent) > 1)} {', '.join(map(str, absent))} "
+                             f"do{'es' * (len(absent) == 1)} not match {given}")
     if args.export or args.id:
-        if args.id:  # every id checked before any run is printed: a script reads all of them or none
-            missing = sorted(set(args.id) - {row["id"] for row in history.rows(ids=args.id)})
-            if missing:
-                raise WorkbenchError(f"{history.path}: no run{'s' * (len(missing) > 1)} "
-                                     f"{', '.join(map(str, missing))}")
-            # a run asked for by id that the other filters leave out would be left out unsaid
-            unmatched = sorted(set(args.id) - {row["id"] for row in history.rows(**filters)})
-            if unmatched:
-                given = ", ".join(f"--{name} {getattr(args, name)!r}" for name in ("model", "scenario", "label")
-                                  if getattr(args, name))
-                raise WorkbenchError(f"{history.path}: run{'s' * (len(unmatched) > 1)} "
-                                     f"{', '.join(map(str, unmatched))} "
-                                     f"do{'es' * (len(unmatched) == 1)} not match {given}")
         unreadable = []
-        print(history.export(args.export or "json", unreadable, **filters), end="")
+        print(history.export_rows(args.export or "json", rows, unreadable), end="")
         for problem in unreadable:
             print(f"{PROG}: warning: {problem}: left out", file=sys.stderr)
         return 0
-    rows = history.rows(**filters)
     if not rows:
         filtered = any(value for value in filters.values())
         print(f"no runs {'match' if filtered else 'saved'} in {history.path}", file=sys.stderr)

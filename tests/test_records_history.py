@@ -289,6 +289,30 @@ def test_the_history_list_says_how_many_tokens_each_run_generated(tmp_path, caps
     assert "completion " in (out := capsys.readouterr().out) and "  3 tokens  " in out
 
 
+def test_history_by_id_reads_the_runs_it_checks_and_prints_once(tmp_path, capsys, monkeypatch):
+    """`history --id` read the history's rows three times: the ids checked against the runs, then against the other
+    filters, then read again to print. It reads them once; a second read, of the ids not among them, says only which
+    of those the history lacks."""
+    from app.cli import main
+    from engine.records.history import History
+
+    path = tmp_path / "h.sqlite3"
+    for label in ("first", "second"):
+        History(path).add(made_record(label))
+    reads, rows = [], History.rows
+    monkeypatch.setattr(History, "rows", lambda self, **filters: reads.append(filters) or rows(self, **filters))
+    assert main(["history", "--history", str(path), "--id", "2", "1", "--export", "csv"]) == 0
+    assert [line.split(",")[:4] for line in capsys.readouterr().out.splitlines()[1:]] == [
+        ["2", "2026-01-01T00:00:00+00:00", "short", "second"], ["1", "2026-01-01T00:00:00+00:00", "short", "first"]]
+    assert reads == [{"model": None, "scenario": None, "label": None, "ids": [2, 1]}]
+    reads.clear()
+    assert main(["history", "--history", str(path), "--id", "1", "3", "2", "--label", "first"]) == 2
+    assert capsys.readouterr().err == f"moe-workbench: error: {path}: no run 3\n"
+    assert [read["ids"] for read in reads] == [[1, 3, 2], [2, 3]]
+    assert main(["history", "--history", str(path), "--id", "1", "2", "--label", "first"]) == 2
+    assert capsys.readouterr().err == f"moe-workbench: error: {path}: run 2 does not match --label 'first'\n"
+
+
 def test_the_windows_history_shows_each_runs_tokens(qtbot, tmp_path, greedy):
     pytest.importorskip("pytestqt")
     from app.gui.history_view import HEADERS, HistoryView

@@ -313,7 +313,10 @@ class History:
     def export(self, fmt: str, unreadable: list[str] | None = None, **filters) -> str:
         """The rows `filters` select, in `fmt`. JSON carries whole records: one that cannot be read is left out and
         said in `unreadable` (without that list, it is an error)."""
-        rows = self.rows(**filters)
+        return self.export_rows(fmt, self.rows(**filters), unreadable)
+
+    def export_rows(self, fmt: str, rows: list[dict], unreadable: list[str] | None = None) -> str:
+        """`rows` (as rows() gives them, read already) in `fmt`, as export() gives them."""
         if fmt == "json":
             records = []
             for row in rows:
