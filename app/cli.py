@@ -841,10 +841,17 @@ def _cmd_write_model(args) -> int:
             raise WorkbenchError(f"{folder}: not written: {graph} (model.onnx) takes about "
                                  f"{human_bytes(sizes.graph_bytes)}, past the 2.0 GiB one protobuf file holds")
         available = psutil.virtual_memory().available
+        if hasattr(psutil, "RLIMIT_AS"):  # (Linux's ulimit -v: what this process may map in all)
+            limit = psutil.Process().rlimit(psutil.RLIMIT_AS)[0]
+            if limit != psutil.RLIM_INFINITY:
+                available = min(available, max(0, limit - psutil.Process().memory_info().vms))
         if sizes.memory_bytes > available:
-            raise WorkbenchError(f"{folder}: not written: building {graph} takes about "
-                                 f"{human_bytes(sizes.memory_bytes)} of memory, more than the "
-                                 f"{human_bytes(available)} available")
+            largest = sizes.largest
+            raise WorkbenchError(f"{folder}: not written: writing it takes about {human_bytes(sizes.memory_bytes)} of "
+                                 f"memory, more than the {human_bytes(available)} available ({graph} about "
+                                 f"{human_bytes(sizes.graph_memory_bytes)}; its weights, made a piece at a time, "
+                                 f"about {human_bytes(sizes.stream_bytes)}: a piece of {largest.name} is "
+                                 f"{human_bytes(largest.chunk_bytes)})")
         path = write_model(args.folder, spec)
     except ValueError as exc:
         raise WorkbenchError(_as_options(str(exc).removeprefix("WriterSpec: "), WRITER_OPTIONS)) from None

@@ -510,16 +510,62 @@ def test_write_model_checks_its_sizes_before_building_a_graph_of_every_layer(tmp
     assert status == 2 and err == (f"moe-workbench: error: {target}: not written: its graph of 1000000 layers "
                                    f"(model.onnx) takes about {human_bytes(graph)}, past the 2.0 GiB one protobuf "
                                    "file holds\n")
-    memory = write_sizes(replace(spec, layers=500)).memory_bytes
+    sizes = write_sizes(replace(spec, layers=500))
+    memory = sizes.memory_bytes
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=memory - 1))
     status, _out, err = _main(capsys, "write-model", str(target), "--layers", "500", *tiny)
-    assert status == 2 and err == (f"moe-workbench: error: {target}: not written: building its graph of 500 layers "
-                                   f"takes about {human_bytes(memory)} of memory, more than the "
-                                   f"{human_bytes(memory - 1)} available\n")
+    assert status == 2 and err == (f"moe-workbench: error: {target}: not written: writing it takes about "
+                                   f"{human_bytes(memory)} of memory, more than the {human_bytes(memory - 1)} "
+                                   f"available (its graph of 500 layers about {human_bytes(sizes.graph_memory_bytes)}; "
+                                   f"its weights, made a piece at a time, about {human_bytes(sizes.stream_bytes)}: a "
+                                   "piece of cos_cache is 64.0 KiB)\n")
     assert not target.exists()
     monkeypatch.setattr(write, "build_graph", real_build)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=memory))
     assert _main(capsys, "write-model", str(target), "--layers", "500", *tiny)[0] == 0
+
+
+def test_write_model_counts_the_memory_its_weights_pieces_take_before_making_any(tmp_path, capsys, monkeypatch):
+    """write-model's memory check counted the graph alone: --hidden 10000000 (its disk space free) wrote for minutes,
+    then ran out of memory making an expert's codes of 1.2 GiB; --heads 1000000 planned its graph with an array of a
+    gain for each of 32 million rows, before any check. The memory the weights' pieces take as they are made and
+    queued for the disk is counted too, before anything is made, within what the process may still map (ulimit -v)."""
+    import shutil
+    import tracemalloc
+    from types import SimpleNamespace
+
+    import psutil
+
+    import engine.writer
+    from engine.writer import WriterSpec
+    from engine.writer.write import write_sizes
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: usage._replace(free=1 << 40))
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=4 << 30))
+    written = []
+    monkeypatch.setattr(engine.writer, "write_model", lambda folder, spec: written.append(spec) or Path(folder))
+    target = tmp_path / "model"
+    sizes = write_sizes(WriterSpec(hidden_size=10000000))
+    tracemalloc.start()
+    status, _out, err = _main(capsys, "write-model", str(target), "--hidden", "10000000")
+    assert tracemalloc.get_traced_memory()[1] < 64 << 20
+    tracemalloc.stop()
+    assert status == 2 and err == (f"moe-workbench: error: {target}: not written: writing it takes about "
+                                   f"{human_bytes(sizes.memory_bytes)} of memory, more than the 4.0 GiB available "
+                                   f"(its graph of 2 layers about {human_bytes(sizes.graph_memory_bytes)}; its "
+                                   f"weights, made a piece at a time, about {human_bytes(sizes.stream_bytes)}: a "
+                                   "piece of model.layers.0.moe.experts.gate_up_proj.qweight is 1.2 GiB)\n")
+    assert sizes.memory_bytes > 7 << 30 and not written  # (an expert's codes, 3.5 times them made, 3 queued)
+    tracemalloc.start()
+    assert _main(capsys, "write-model", str(target), "--heads", "1000000", "--kv-heads", "1")[0] == 0
+    assert tracemalloc.get_traced_memory()[1] < 64 << 20 and written[-1].num_heads == 1000000
+    tracemalloc.stop()
+    # under ulimit -v, what the process may still map is what is available
+    vms = psutil.Process().memory_info().vms
+    monkeypatch.setattr(psutil.Process, "rlimit", lambda _self, _what: (vms + (1 << 30), psutil.RLIM_INFINITY))
+    status, _out, err = _main(capsys, "write-model", str(target), "--hidden", "2000000")
+    assert status == 2 and "of memory, more than the 1.0 GiB available (" in err, err
 
 
 def test_write_model_says_which_layout_options_its_quant_type_does_not_use(tmp_path, capsys):
@@ -2909,6 +2955,6 @@ def test_max_new_tokens_help_and_the_readme_say_what_the_option_and_write_model_
     readme = (REPO / "README.md").read_text().replace("\n", " ")
     assert ("Before it builds or writes anything it counts what the model takes on a graph of a few layers, and "
             "refuses at once weights larger than the disk's free space there, a graph (`model.onnx`) past the 2 GiB "
-            "one protobuf file holds, or one whose build takes more memory than is available") in readme
+            "one protobuf file holds, or a model whose writing takes more memory than is available") in readme
     assert ("A free-text value may start with `-` (`--prompt -hi`, and so `--system`, `--stop`, `--label` and "
             "`history`'s `--model`); one that is an option's name is given with `=` (`--prompt=--json`).") in readme

@@ -7,6 +7,7 @@ chunk, so a 20 GB model is written with a few MB of memory.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from onnx import helper
 # experts, whose strides are usually whole pages) directly; smaller tensors are aligned to 64 bytes.
 PAGE_ALIGN = 4096
 SMALL_ALIGN = 64
+# the chunks write_tensors keeps queued for the disk while it makes the next one
+WRITE_DEPTH = 3
 
 
 @dataclass
@@ -28,6 +31,8 @@ class TensorPlan:
     elem_type: int                                # onnx.TensorProto.FLOAT, FLOAT16, UINT8, ...
     dims: tuple[int, ...]
     chunks: Callable[[], Iterable[np.ndarray]]    # yields the tensor's bytes in order
+    chunk_rows: int = 0                           # rows (of dims[0]) in its largest chunk; 0: one chunk of it all
+    work: float = 1.0                             # the most memory making a chunk holds, in multiples of its bytes
 
     @property
     def nbytes(self) -> int:
@@ -35,6 +40,15 @@ class TensorPlan:
         for d in self.dims:
             n *= int(d)
         return n * np.dtype(helper.tensor_dtype_to_np_dtype(self.elem_type)).itemsize
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.nbytes * self.chunk_rows // self.dims[0] if self.chunk_rows else self.nbytes
+
+    @property
+    def work_bytes(self) -> int:
+        """About the most memory making one of its chunks takes (the chunk and the arrays it is made from)."""
+        return math.ceil(self.chunk_bytes * self.work)
 
 
 def aligned(offset: int, nbytes: int) -> int:
@@ -76,7 +90,7 @@ class _BackgroundWriter:
 
     At most `depth` chunks wait in the queue, so memory stays at a few chunks."""
 
-    def __init__(self, f: BinaryIO, depth: int = 3):
+    def __init__(self, f: BinaryIO, depth: int = WRITE_DEPTH):
         self._f = f
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-writer")
         self._pending: deque[Future] = deque()

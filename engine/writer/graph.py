@@ -136,9 +136,8 @@ class _Builder:
         s = self.spec
         mp, np_ = f"model.layers.{layer}.attn", f"/model/layers.{layer}/attn"
         qk_rows = (s.num_heads + s.num_kv_heads) * s.head_size
-        row_gain = np.ones(s.qkv_size)
-        row_gain[:qk_rows] = QK_GAIN
-        qkv = self.matmul(x, f"{mp}.qkv_proj.MatMul", f"{np_}/qkv_proj", s.qkv_size, s.hidden_size, row_gain=row_gain)
+        qkv = self.matmul(x, f"{mp}.qkv_proj.MatMul", f"{np_}/qkv_proj", s.qkv_size, s.hidden_size,
+                          row_gain=(qk_rows, QK_GAIN))
         qkv = self.add_bias(qkv, f"{mp}.qkv_proj.Add.bias", f"{np_}/qkv_proj", s.qkv_size)
         if layer == 0:
             for plan in W.rotary_caches(s.context_length, s.head_size, s.dtype):

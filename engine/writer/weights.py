@@ -25,6 +25,27 @@ from engine.writer.external_data import TensorPlan
 from kernels import layouts as L
 
 BAND_BYTES = 8 << 20   # dense tensors are generated in bands of rows of at most this many bytes
+# The memory making a chunk takes, in multiples of the chunk's bytes (TensorPlan.work): tracemalloc's peak over chunks
+# of megabytes, rounded up. Random codes: the generator's words, its bytes and the codes made of them; an int2/int3
+# expert draws a byte a code; a prepacked one unpacks its codes and permutes them with index arrays.
+CODES_WORK = 3.5
+SMALL_CODES_WORK = 64   # over the bits: a byte a code and its masks (int2: 20 measured, int3: 18.7)
+PREPACKED_WORK = 320    # over the bits (int4: 73 measured, int8: 37)
+ZERO_POINTS_WORK = 80   # over the bits: int64 draws packed (int2: 36 measured, int4: 18)
+FP4_CODES_WORK = {"k_packed": 2.5, "n_packed": 28}  # n_packed: unpacked and transposed (25 measured)
+FP4_SCALES_WORK = {"fp4": 27, "nvfp4": 56}  # float64 targets, signs and their e8m0 / e4m3 (24, 52 measured)
+FP8_CODES_WORK = 5.5    # float32 noise, then e4m3 (5 measured)
+GLOBALS_WORK = 12       # a list of NumPy scalars, one an expert (11 measured)
+
+
+def _centred_work(npd: np.dtype) -> float:
+    """centred's: the random bytes, their float32 noise and that in `npd` (float32 1.25 measured, float16 3)."""
+    return (5 + npd.itemsize) / npd.itemsize
+
+
+def _magnitudes_work(npd: np.dtype) -> float:
+    """_signed_magnitudes' float32 draws and arithmetic, in `npd` (float32 2 measured, float16 4)."""
+    return 0.5 + 8 / npd.itemsize
 
 
 def rng_for(seed: int, name: str, *piece: int) -> np.random.Generator:
@@ -96,8 +117,13 @@ def _zero_point_codes(rng: np.random.Generator, shape, bits: int) -> np.ndarray:
     return (mid - 1 + rng.integers(0, 3, size=shape)).astype(np.uint8)
 
 
+def _band_rows(rows: int, row_bytes: int) -> int:
+    """The rows of a band (the last may hold fewer)."""
+    return min(rows, max(1, BAND_BYTES // max(1, row_bytes)))
+
+
 def _bands(rows: int, row_bytes: int) -> Iterator[tuple[int, int]]:
-    step = max(1, BAND_BYTES // max(1, row_bytes))
+    step = _band_rows(rows, row_bytes)
     for start in range(0, rows, step):
         yield start, min(rows, start + step)
 
@@ -126,29 +152,33 @@ def normal(name: str, shape: tuple[int, ...], seed: int, dtype: str, std: float,
         for a, b in _bands(rows, cols * npd.itemsize):
             yield centred(rng_for(seed, name, a), (b - a, cols), std, mean).astype(npd, copy=False)
 
-    return TensorPlan(name, onnx_type(dtype), tuple(shape), chunks)
+    return TensorPlan(name, onnx_type(dtype), tuple(shape), chunks,
+                      _band_rows(rows, cols * npd.itemsize) if len(shape) > 1 else 0, _centred_work(npd))
 
 
 def rotary_caches(context_length: int, head_size: int, dtype: str, theta: float = 150000.0) -> list[TensorPlan]:
     half = head_size // 2
-    inv_freq = 1.0 / theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / head_size)
     npd = np_dtype(dtype)
 
     def make(fn):
-        def chunks():
+        def chunks():  # (the frequencies made here: a plan holds nothing in proportion to a size, write_sizes' check)
+            inv_freq = 1.0 / theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / head_size)
             for a, b in _bands(context_length, half * 4):
                 yield fn(np.outer(np.arange(a, b, dtype=np.float64), inv_freq)).astype(npd)
         return chunks
 
-    return [TensorPlan("cos_cache", onnx_type(dtype), (context_length, half), make(np.cos)),
-            TensorPlan("sin_cache", onnx_type(dtype), (context_length, half), make(np.sin))]
+    # float64 angles and their cosines, then `npd` (float32 4 measured, float16 8)
+    work, rows = 1 + 16 / npd.itemsize, _band_rows(context_length, half * 4)
+    return [TensorPlan("cos_cache", onnx_type(dtype), (context_length, half), make(np.cos), rows, work),
+            TensorPlan("sin_cache", onnx_type(dtype), (context_length, half), make(np.sin), rows, work)]
 
 
 def matmul_nbits(prefix: str, n: int, k: int, bits: int, seed: int, dtype: str, accuracy_level: int, gain: float = 1.0,
-                 block: int = 32, row_gain: np.ndarray | None = None) -> tuple[list[TensorPlan], dict]:
+                 block: int = 32, row_gain: tuple[int, float] | None = None) -> tuple[list[TensorPlan], dict]:
     """A random MatMulNBits weight [N, ceil(K/block), block*bits/8] and its scales [N, K/block].
 
-    row_gain (length N), when given, multiplies each output row's scales on top of gain."""
+    row_gain (rows, gain), when given, multiplies the scales of the first `rows` output rows by `gain` on top of gain
+    (an array of N gains was made while planning, in proportion to N before write_sizes' check)."""
     blocks = -(-k // block)
     blob = block * bits // 8
     base = gain / (code_rms(bits) * math.sqrt(k))
@@ -164,11 +194,13 @@ def matmul_nbits(prefix: str, n: int, k: int, bits: int, seed: int, dtype: str, 
         for a, b in _bands(n, blocks * 4):
             s = _signed_magnitudes(rng_for(seed, sname, a), (b - a, blocks), base)
             if row_gain is not None:
-                s *= np.asarray(row_gain, np.float32)[a:b, None]
+                s[:max(0, min(b, row_gain[0]) - a)] *= np.float32(row_gain[1])
             yield s.astype(npd)
 
-    plans = [TensorPlan(qname, onnx.TensorProto.UINT8, (n, blocks, blob), qchunks),
-             TensorPlan(sname, onnx_type(dtype), (n, blocks), schunks)]
+    plans = [TensorPlan(qname, onnx.TensorProto.UINT8, (n, blocks, blob), qchunks, _band_rows(n, blocks * blob),
+                        CODES_WORK),
+             TensorPlan(sname, onnx_type(dtype), (n, blocks), schunks, _band_rows(n, blocks * 4),
+                        _magnitudes_work(npd))]
     attrs = {"K": k, "N": n, "accuracy_level": accuracy_level, "bits": bits, "block_size": block}
     return plans, attrs
 
@@ -176,14 +208,14 @@ def matmul_nbits(prefix: str, n: int, k: int, bits: int, seed: int, dtype: str, 
 # ---- expert tensors (one piece per expert) ------------------------------------------------------
 
 def _per_expert(name: str, elem_type: int, dims: tuple[int, ...], seed: int,
-                make: Callable[[np.random.Generator], np.ndarray]) -> TensorPlan:
+                make: Callable[[np.random.Generator], np.ndarray], work: float) -> TensorPlan:
     experts, inner = dims[0], dims[1:]
 
     def chunks():
         for e in range(experts):
             yield make(rng_for(seed, name, e)).reshape((1,) + inner)
 
-    return TensorPlan(name, elem_type, dims, chunks)
+    return TensorPlan(name, elem_type, dims, chunks, 1, work)
 
 
 def _int_qweight(rng: np.random.Generator, n: int, k: int, bits: int, prepacked: bool) -> np.ndarray:
@@ -205,15 +237,16 @@ def expert_projection(prefix: str, experts: int, n: int, k: int, bits: int, bloc
     base = gain / (code_rms(bits) * math.sqrt(k))
     row_bytes = (k * bits + 7) // 8
     qdims = (experts, k, n * bits // 8) if prepacked else (experts, n, row_bytes)
+    work = PREPACKED_WORK / bits if prepacked else SMALL_CODES_WORK / bits if bits in (2, 3) else CODES_WORK
     out = {"qweight": _per_expert(
         f"{prefix}.qweight", onnx.TensorProto.UINT8, qdims, seed,
-        lambda rng: _int_qweight(rng, n, k, bits, prepacked))}
+        lambda rng: _int_qweight(rng, n, k, bits, prepacked), work)}
     scale_shape = (n, k // block) if block else (n,)
     out["scales"] = _per_expert(f"{prefix}.scales", onnx_type(dtype), (experts,) + scale_shape, seed,
-                                lambda rng: _signed_magnitudes(rng, scale_shape, base).astype(npd))
+                                lambda rng: _signed_magnitudes(rng, scale_shape, base).astype(npd),
+                                _magnitudes_work(npd))
     if bias:
-        out["bias"] = _per_expert(f"{prefix}.bias", onnx_type(dtype), (experts, n), seed,
-                                  lambda rng: centred(rng, (n,), 0.1).astype(npd))
+        out["bias"] = _expert_bias(prefix, experts, n, seed, dtype)
     if zero_points:
         if block:
             zp_codes = (n, k // block)
@@ -222,7 +255,8 @@ def expert_projection(prefix: str, experts: int, n: int, k: int, bits: int, bloc
             zp_codes = (n,)
             zp_dims = (-(-n * bits // 8),)
         out["zero_points"] = _per_expert(f"{prefix}.zero_points", onnx.TensorProto.UINT8, (experts,) + zp_dims,
-                                         seed, lambda rng: _pack_codes(_zero_point_codes(rng, zp_codes, bits), bits))
+                                         seed, lambda rng: _pack_codes(_zero_point_codes(rng, zp_codes, bits), bits),
+                                         ZERO_POINTS_WORK / bits)
     return out
 
 
@@ -267,10 +301,13 @@ def fp4_projection(prefix: str, experts: int, n: int, k: int, quant_type: str, p
 
     qdims = (experts, k, n // 2) if packing == "n_packed" else (experts, n, k // 2)
     out = {
-        "qweight": _per_expert(f"{prefix}.qweight", onnx.TensorProto.UINT8, qdims, seed, codes),
+        "qweight": _per_expert(f"{prefix}.qweight", onnx.TensorProto.UINT8, qdims, seed, codes,
+                               FP4_CODES_WORK[packing]),
         "scales": TensorPlan(f"{prefix}.scales", onnx.TensorProto.FLOAT8E4M3FN if quant_type == "nvfp4"
-                             else onnx.TensorProto.FLOAT8E8M0, (experts, n, k // blk), scales),
-        "global_scale": TensorPlan(f"{prefix}.global_scale", onnx.TensorProto.FLOAT, (experts,), globals_),
+                             else onnx.TensorProto.FLOAT8E8M0, (experts, n, k // blk), scales, 1,
+                             FP4_SCALES_WORK[quant_type]),
+        "global_scale": TensorPlan(f"{prefix}.global_scale", onnx.TensorProto.FLOAT, (experts,), globals_,
+                                   work=GLOBALS_WORK),
     }
     if bias:
         out["bias"] = _expert_bias(prefix, experts, n, seed, dtype)
@@ -284,15 +321,18 @@ def fp8_projection(prefix: str, experts: int, n: int, k: int, block: int, bias: 
     npd = np_dtype(dtype)
     base = gain / (FP8_STD * math.sqrt(k))
     out = {"qweight": _per_expert(f"{prefix}.qweight", onnx.TensorProto.FLOAT8E4M3FN, (experts, n, k), seed,
-                                  lambda rng: centred(rng, (n, k), FP8_STD).astype(ml_dtypes.float8_e4m3fn))}
+                                  lambda rng: centred(rng, (n, k), FP8_STD).astype(ml_dtypes.float8_e4m3fn),
+                                  FP8_CODES_WORK)}
     if block:
         shape = (-(-n // block), -(-k // block))
         out["scales"] = _per_expert(f"{prefix}.scales", onnx_type(dtype), (experts,) + shape, seed,
-                                    lambda rng: _signed_magnitudes(rng, shape, base).astype(npd))
+                                    lambda rng: _signed_magnitudes(rng, shape, base).astype(npd),
+                                    _magnitudes_work(npd))
     else:
         def globals_():
             yield np.array([_global_scale(seed, prefix, e, base) for e in range(experts)], np.float32)
-        out["global_scale"] = TensorPlan(f"{prefix}.global_scale", onnx.TensorProto.FLOAT, (experts,), globals_)
+        out["global_scale"] = TensorPlan(f"{prefix}.global_scale", onnx.TensorProto.FLOAT, (experts,), globals_,
+                                         work=GLOBALS_WORK)
     if bias:
         out["bias"] = _expert_bias(prefix, experts, n, seed, dtype)
     return out
@@ -301,4 +341,4 @@ def fp8_projection(prefix: str, experts: int, n: int, k: int, block: int, bias: 
 def _expert_bias(prefix: str, experts: int, n: int, seed: int, dtype: str) -> TensorPlan:
     npd = np_dtype(dtype)
     return _per_expert(f"{prefix}.bias", onnx_type(dtype), (experts, n), seed,
-                       lambda rng: centred(rng, (n,), 0.1).astype(npd))
+                       lambda rng: centred(rng, (n,), 0.1).astype(npd), _centred_work(npd))

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from engine.writer.external_data import external_tensor, placed, total_bytes, write_tensors
+from engine.writer.external_data import WRITE_DEPTH, TensorPlan, external_tensor, placed, total_bytes, write_tensors
 from engine.writer.folder_files import genai_config, readme, spec_json
 from engine.writer.graph import build_graph, make_model
 from engine.writer.spec import WriterSpec
@@ -26,10 +26,19 @@ GRAPH_MEMORY_FACTOR = 28
 class WriteSizes:
     data_bytes: int  # model.onnx.data
     graph_bytes: int  # model.onnx, about (a layer's names grow with its number's digits)
+    # the weights streamed: the most memory making a chunk takes beside the largest chunks queued for the disk (a
+    # chunk is an expert or a band of rows: --hidden 10000000 made an expert of 1.2 GiB, and ran out of memory after
+    # writing for minutes), and the tensor of the largest chunk
+    stream_bytes: int = 0
+    largest: TensorPlan | None = None
 
     @property
     def memory_bytes(self) -> int:
-        """About the most memory write_model holds (the graph; the weights are streamed a chunk at a time)."""
+        """About the most memory write_model holds: the graph whole, and the weights a chunk at a time."""
+        return self.graph_bytes * GRAPH_MEMORY_FACTOR + self.stream_bytes
+
+    @property
+    def graph_memory_bytes(self) -> int:
         return self.graph_bytes * GRAPH_MEMORY_FACTOR
 
 
@@ -44,13 +53,16 @@ def write_sizes(spec: WriterSpec) -> WriteSizes:
     two, four = _sizes(replace(spec, layers=2)), _sizes(replace(spec, layers=4))
     pairs = (spec.layers - 2) / 2
     return WriteSizes(two.data_bytes + (spec.layers - 2) * (four.data_bytes - two.data_bytes) // 2,
-                      two.graph_bytes + round(pairs * (four.graph_bytes - two.graph_bytes)))
+                      two.graph_bytes + round(pairs * (four.graph_bytes - two.graph_bytes)), four.stream_bytes,
+                      four.largest)  # (every layer's tensors are a layer's of four)
 
 
 def _sizes(spec: WriterSpec) -> WriteSizes:
-    plan = build_graph(spec)
+    plan = build_graph(spec)  # (plans of tensors, none made: nothing held in proportion to a size)
     initializers = [external_tensor(tensor, DATA_NAME, offset) for tensor, offset in placed(plan.tensors)]
-    return WriteSizes(total_bytes(plan.tensors), make_model(plan, initializers, "", {}).ByteSize())
+    largest = max(plan.tensors, key=lambda tensor: tensor.chunk_bytes)
+    stream = max(tensor.work_bytes for tensor in plan.tensors) + WRITE_DEPTH * largest.chunk_bytes
+    return WriteSizes(total_bytes(plan.tensors), make_model(plan, initializers, "", {}).ByteSize(), stream, largest)
 
 
 def model_data_bytes(spec: WriterSpec) -> int:
