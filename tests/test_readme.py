@@ -48,6 +48,19 @@ def test_every_option_in_the_readmes_command_lines_is_one_its_command_takes():
             assert set(values.split("|")) == {str(choice) for choice in choices}, (command, flag)
 
 
+def test_the_alternatives_in_the_readmes_command_lines_are_the_commands_exclusive_options():
+    """The README's `[--greedy | --temperature T --top-k K --top-p P --seed S]` (and record's `[--model-sampling |
+    --temperature T --top-k K --top-p P]`) made --top-k, --top-p and --seed part of --temperature's alternative, where
+    each is an option of its own (--help: it applies to the model's own sampling too). Each `[A | B]` of its command
+    lines is one of the command's mutually exclusive groups, whole."""
+    commands = _subcommands()
+    for command, rest in _readme_command_lines():
+        for alternatives in re.findall(r"\[([^][]* \| [^][]*)\]", rest):
+            groups = [{name for action in group._group_actions for name in action.option_strings}
+                      for group in commands[command]._mutually_exclusive_groups]
+            assert set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", alternatives)) in groups, (command, alternatives)
+
+
 def test_every_environment_variable_the_code_or_the_suite_reads_is_in_the_readmes_table():
     table = README[README.index("| variable | what it does |"):]
     sources = [*REPO.glob("app/**/*.py"), *REPO.glob("engine/**/*.py"), *REPO.glob("kernels/**/*.py"),
