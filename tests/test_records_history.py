@@ -400,6 +400,24 @@ def test_an_automatic_budget_says_the_bytes_it_came_to_in_the_list_and_the_windo
     assert "budget auto (1.2 GiB)  " in lines[0] and "budget auto  " in lines[1]
 
 
+def test_a_run_under_mode_disabled_has_no_budget_in_the_list_or_the_export(tmp_path, capsys, greedy):
+    """mode=disabled offloads no expert, so no expert budget applies (the record's budget_bytes is None): the list read
+    "budget auto", or the device_expert_bytes given beside it ("budget 1000 B"), as if the run had had one."""
+    from app.cli import main
+    from engine.records.history import History
+
+    history = History(tmp_path / "h.sqlite3")
+    for entries in ({"session.moe.offload.mode": "disabled"},
+                    {"session.moe.offload.mode": "disabled", "session.moe.offload.device_expert_bytes": "1000"}):
+        offload = dict(greedy.offload, device="simulated GPU, 8.0 GiB", entries=entries, budget_bytes=None,
+                       placement_mode="cpu_only")
+        history.add(RunRecord.from_dict(dict(greedy.to_dict(), offload=offload)))
+    assert main(["history", "--history", str(history.path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert all("simulated GPU, 8.0 GiB        budget -  " in line for line in lines), lines
+    assert [row["budget"] for row in history.rows()] == [None, None]
+
+
 def test_a_time_under_a_millisecond_reads_as_such_not_as_none(sampled):
     from app.gui.record_report import fmt
 

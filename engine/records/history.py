@@ -119,9 +119,12 @@ COLUMNS = SUMMARY + tuple(name for name, _type, _get in EXTRA)
 def summary(record: RunRecord) -> dict:
     """The record's values for the columns after id."""
     t, p = record.timings, record.peaks
+    entries = record.offload.get("entries", {})
+    # mode=disabled offloads no expert: no expert budget applies, whatever device_expert_bytes says
+    budget = (None if entries.get("session.moe.offload.mode") == "disabled"
+              else str(entries.get("session.moe.offload.device_expert_bytes", "auto")))
     row = {"created": record.created, "scenario": record.scenario, "label": record.label,
-           "model": record.model.get("folder"), "device": record.offload.get("device"),
-           "budget": str(record.offload.get("entries", {}).get("session.moe.offload.device_expert_bytes", "auto")),
+           "model": record.model.get("folder"), "device": record.offload.get("device"), "budget": budget,
            "load_s": t.get("load_s"), "ttft_s": t.get("time_to_first_token_s"),
            "decode_tokens_per_s": t.get("decode_tokens_per_s"), "completion_s": t.get("completion_s"),
            "peak_device_bytes": p.get("device_bytes"), "peak_rss_bytes": p.get("rss_bytes")}
@@ -139,8 +142,8 @@ def budget_text(row: dict) -> str | None:
     """A row's expert budget as the lists give it: device_expert_bytes or "auto" as asked, an automatic one with the
     bytes the plan came to ("auto (1.2 GiB)"; a record older than them says "auto" alone); where the plan cut the bytes
     asked to what the device had free (side-by-side's B beside A), the bytes the run had, then those asked ("1.2 GiB
-    (asked 2.0 GiB)"). None for an all-CPU run: it budgets no device."""
-    if (row["device"] or "cpu") == "cpu":
+    (asked 2.0 GiB)"). None for an all-CPU run, and one under mode=disabled (budget None): neither budgets a device."""
+    if (row["device"] or "cpu") == "cpu" or row["budget"] is None:
         return None
     asked, had = row["budget"], row["budget_bytes"]
     if not asked or asked == "auto":
