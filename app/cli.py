@@ -347,7 +347,7 @@ def _offload_setup(args, fallback: list[str] | None = None, needs_device: str = 
     with `needs_device` (what needs one), refused. kernels: a CUDA GPU's expert kernels loaded too (a first compile
     takes 1-2 minutes), for what loads a model; not for a plan alone (inspect)."""
     from engine.offload import OffloadConfig, SimulatedDevice
-    from engine.offload.config import DEVICE_KEYS, UNUSED_KEYS, keys_among, short_key
+    from engine.offload.config import DEVICE_KEYS, ROUTING_KEYS, UNUSED_KEYS, keys_among, short_key
 
     saved_entries = {}
     saved_auto = set()  # this app's own settings a configuration saved as auto, the default: said nowhere as given
@@ -398,6 +398,12 @@ def _offload_setup(args, fallback: list[str] | None = None, needs_device: str = 
         if idle:
             print(f"warning: {', '.join(idle)}: no effect with --device cpu, where every expert runs on the CPU "
                   "(--device simulated or cuda)", file=sys.stderr)
+    if args.device == "simulated" and config.mode == "disabled":
+        # every expert goes where the dense part runs, the CPU here; approximate routing's keys get their own warning
+        idle = [key for key in keys_among(changed, DEVICE_KEYS) if key not in ROUTING_KEYS]
+        if idle:
+            print(f"warning: {', '.join(idle)}: no effect under mode=disabled on the simulated GPU, which takes "
+                  "experts only: every expert runs on the CPU, beside the dense part", file=sys.stderr)
     idle_routing = config.idle_routing_settings()
     if idle_routing:
         print(f"warning: {', '.join(idle_routing)}: no effect under mode=disabled, which offloads nothing: routing is "

@@ -1528,6 +1528,24 @@ def test_device_budgets_without_a_device_are_said_to_do_nothing(capsys):
                             "runs on the CPU (--device simulated or cuda)") in err
 
 
+def test_device_budgets_under_mode_disabled_on_the_simulated_gpu_are_said_to_do_nothing(capsys):
+    """mode=disabled puts every expert where the dense part runs, the CPU beside the simulated GPU (which takes
+    experts only): an expert budget or placement given with it did nothing, and `generate` said nothing of it (its plan,
+    which says so, is in --json alone). Approximate routing's keys are said once, by their own warning."""
+    status, _out, err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--device", "simulated", "--offload",
+                              "mode=disabled", "--offload", "device_expert_bytes=4000000", "--offload",
+                              "placement=static", "--offload", "tail_substitution_threshold=0.5", "--offload",
+                              "cpu_threads=1")
+    assert status == 0 and err == (
+        "warning: device_expert_bytes, placement: no effect under mode=disabled on the simulated GPU, which takes "
+        "experts only: every expert runs on the CPU, beside the dense part\n"
+        "warning: tail_substitution_threshold=0.5: no effect under mode=disabled, which offloads nothing: routing is "
+        "exact (approximate routing needs mode=auto or required)\n")
+    status, _out, err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--device", "simulated", "--offload",
+                              "mode=disabled")
+    assert status == 0 and err == ""
+
+
 def test_tail_substitution_without_a_device_is_said_to_do_nothing(capsys):
     """Tail substitution replaces a cold expert by a resident one: with --device cpu none is resident, so it substituted
     nothing, without a word (min_expert_weight, which drops experts, does apply there)."""
