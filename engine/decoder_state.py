@@ -9,6 +9,7 @@ CUDA device) and are bound to onnxruntime by pointer.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -16,8 +17,9 @@ import numpy as np
 import onnx
 
 from engine.array_backend import NUMPY, ArrayBackend
-from engine.errors import ModelFileError, PromptError, one_line
+from engine.errors import ModelFileError, PromptError
 from engine.genai_config import GenaiConfig
+from engine.units import counted, human_bytes
 
 CAPACITY_STEP = 256
 KV_KINDS = {"key", "value"}  # genai_config's past_key_names / past_value_names
@@ -179,6 +181,21 @@ class DecoderState:
             total += nbytes
         return total, largest
 
+    def check_window(self, memory: int) -> None:
+        """genai_config.json's sliding window held against the machine's `memory`: it sizes its layers' KV caches
+        whatever the context, and caches larger than the memory cannot be made (they failed at the first step). Checked
+        at open (ModelFolder.open), so that inspect says what generate would."""
+        window = (self.config.sliding_window_size or 0) + self.config.sliding_cache_slack
+        caches = [slot for slot in self._slots if slot.shared and slot.sliding]
+        needed = sum(math.prod(self._kv_shape(slot, window)) * _np_dtype(self.graph_inputs[slot.past_name]).itemsize
+                     for slot in caches)
+        if needed > memory:
+            raise ModelFileError(
+                f"{self.config.path}: 'model.decoder.sliding_window' makes {counted(len(caches), 'KV cache')} "
+                f"('{caches[0].past_name}', …) of {window:,} slots each (window_size "
+                f"{self.config.sliding_window_size:,} and cache_slack {self.config.sliding_cache_slack:,}), which "
+                f"take more than this machine's {human_bytes(memory)} of memory")
+
     def kv_dtypes(self) -> set[np.dtype]:
         """The element types of the KV caches (what GroupQueryAttention reads and writes in place)."""
         return {_np_dtype(self.graph_inputs[slot.past_name]) for slot in self._slots if slot.shared}
@@ -212,17 +229,8 @@ class DecoderState:
             slot_capacity = window if slot.sliding else capacity
             if slot.array is not None and slot.array.shape[2] == slot_capacity:
                 continue
-            try:
-                grown = self.backend.zeros(self._kv_shape(slot, slot_capacity),
-                                           _np_dtype(self.graph_inputs[slot.past_name]))
-            except (MemoryError, ValueError, OverflowError) as exc:
-                if not slot.sliding:
-                    raise
-                # the window is genai_config's to size, whatever the context: a wrong one is the file's
-                raise ModelFileError(
-                    f"{self.config.path}: 'model.decoder.sliding_window' makes the KV cache '{slot.past_name}' "
-                    f"{window:,} slots (window_size {self.config.sliding_window_size:,} and cache_slack "
-                    f"{self.config.sliding_cache_slack:,}), which cannot be allocated ({one_line(exc)})") from None
+            grown = self.backend.zeros(self._kv_shape(slot, slot_capacity),
+                                       _np_dtype(self.graph_inputs[slot.past_name]))
             if slot.array is not None:
                 self.backend.copy_prefix(grown, slot.array, min(self.past_length, slot.array.shape[2]))
             slot.array = grown  # the old buffer goes now: one layer's old and new held at a time

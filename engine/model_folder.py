@@ -8,6 +8,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from engine.decoder_state import DecoderState, check_kv_head_size
 from engine.errors import ModelFileError, UnsupportedModelError, no_link_loop
 from engine.expert_node import ExpertNodeInfo, describe_expert_node
@@ -65,7 +67,8 @@ class ModelFolder:
                                      "of its own")
         if config.outputs.get("logits", "logits") not in {o.name for o in source.proto.graph.output}:
             raise ModelFileError(f"{source.path}: the graph has no output named '{config.outputs.get('logits')}'")
-        DecoderState(config, source.proto.graph)  # genai_config's past and present names match the graph's (no memory)
+        state = DecoderState(config, source.proto.graph)  # genai_config's past and present names match the graph's
+        state.check_window(psutil.virtual_memory().total)
         check_kv_head_size(config, source.proto.graph)
         return cls(folder, config, tokenizer, source, plan, experts)
 
