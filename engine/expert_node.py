@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from dataclasses import dataclass
@@ -25,6 +26,13 @@ _INT_ATTRIBUTES = {"k", "normalize_routing_weights", "use_sparse_mixer", "expert
                    "fc2_expert_weight_bits", "fc3_expert_weight_bits", "block_size", "weights_prepacked",
                    "swiglu_fusion", "swiglu_limit_after_activation", "accuracy_level"}
 _FLOAT_ATTRIBUTES = {"activation_alpha", "activation_beta", "swiglu_limit"}  # swiglu_limit inf: no clamp
+# the attributes onnxruntime 1.32's schemas give each op (contrib_defs): it refuses a model whose node has any other
+# ("Unrecognized attribute"), and a misspelt or newer one would be run here as if absent
+_KNOWN_ATTRIBUTES = {"MoE": {"activation_alpha", "activation_beta", "activation_type", "k", "normalize_routing_weights",
+                             "swiglu_fusion", "swiglu_limit", "swiglu_limit_after_activation", "use_sparse_mixer"}}
+_KNOWN_ATTRIBUTES["QMoE"] = _KNOWN_ATTRIBUTES["MoE"] | {
+    "accuracy_level", "block_size", "expert_weight_bits", "fc1_expert_weight_bits", "fc2_expert_weight_bits",
+    "fc3_expert_weight_bits", "quant_type", "weights_prepacked"}
 # flags onnxruntime reads as `== 1`: any other value is off there, where Python's truth would turn it on here
 _FLAG_ATTRIBUTES = {"normalize_routing_weights", "use_sparse_mixer"}
 GPU_MAX_EXPERTS = 2048  # kernels.gpu.qmoe.GpuQMoE refuses more (its grouping kernel)
@@ -143,6 +151,12 @@ def _check_contract(node: onnx.NodeProto, attributes: dict, weight_inputs: dict,
     """The node's attributes of the types and its weights of the data types the contract gives them: a scale stored
     as int32 or codes as int8 would otherwise be read as floats or codes they are not, and answer garbage."""
     for name, value in attributes.items():
+        known = _KNOWN_ATTRIBUTES[node.op_type]
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=1)
+            raise ModelFileError(f"{source.path}: node '{node.name}' has attribute '{name}', which {node.op_type} does "
+                                 "not have (onnxruntime refuses the model)"
+                                 + (f": did you mean '{near[0]}'?" if near else ""))
         if name in _INT_ATTRIBUTES and not isinstance(value, int):
             raise ModelFileError(f"{source.path}: node '{node.name}' attribute {name}={value!r} is not an integer")
         if name in _FLAG_ATTRIBUTES and value not in (0, 1):

@@ -379,6 +379,37 @@ def test_a_swiglu_limit_negative_or_nan_is_named_not_run(copy_fixture, value, cl
     assert_clean_error(cli("generate", str(folder), "--device", "simulated", "--prompt", "hi"), fragment)
 
 
+@pytest.mark.parametrize("name, value, fragment", [
+    ("swiglu_limitt", 7.0, "attribute 'swiglu_limitt', which QMoE does not have (onnxruntime refuses the model): "
+                           "did you mean 'swiglu_limit'?"),
+    ("expert_parallel_groups", 4, "attribute 'expert_parallel_groups', which QMoE does not have (onnxruntime refuses "
+                                  "the model)"),
+])
+def test_a_qmoe_attribute_onnxruntime_does_not_know_is_named(copy_fixture, cli, name, value, fragment):
+    """Was: accepted and ignored, a misspelt swiglu_limit running the node unclamped, where onnxruntime refuses the
+    model ("Unrecognized attribute: swiglu_limitt for operator QMoE")."""
+    folder = copy_fixture("gptoss")
+    _edit_onnx(folder, lambda m: _attribute(_qmoe(m), name, value))
+    said = f"model.onnx: node '/model/layers.0/moe/QMoE' has {fragment}"
+    assert_clean_error(cli("inspect", str(folder)), said)
+    assert_clean_error(cli("generate", str(folder), "--device", "simulated", "--prompt", "hi"), said)
+    assert cli("inspect", str(folder)).stderr.strip().endswith(fragment)
+
+
+def test_the_expert_attributes_known_are_onnxruntimes():
+    """The attributes the engine knows of each expert op are those onnxruntime 1.32's schemas give it."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+    from engine.expert_node import _KNOWN_ATTRIBUTES
+    from tests.qmoe_oracle import require_oracle
+
+    require_oracle()
+
+    schemas = {s.name: set(s.attributes) for s in ort_state.get_all_operator_schema()
+               if s.domain == "com.microsoft" and s.name in _KNOWN_ATTRIBUTES}
+    assert schemas == _KNOWN_ATTRIBUTES
+
+
 def _inline(name: str, raw: bytes):
     def edit(model):
         tensor = _initializer(model, name)
