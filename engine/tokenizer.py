@@ -200,7 +200,10 @@ class ModelTokenizer:
         special.update((name, text) for name in SPECIAL_TOKEN_NAMES
                        if (text := _token_text(config.get(name), origin, name)))
         extra = config.get("additional_special_tokens")
-        if isinstance(extra, list):
+        if extra is not None and not isinstance(extra, list):  # (a bare string was passed over, as no tokens)
+            raise ModelFileError(f"{origin}: 'additional_special_tokens' is {json.dumps(extra)[:40]}, not a list of "
+                                 "tokens' texts")
+        if extra is not None:
             special["additional_special_tokens"] = [
                 text for token in extra if (text := _token_text(token, origin, "additional_special_tokens"))]
         jinja_file = folder / "chat_template.jinja"

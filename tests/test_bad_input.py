@@ -635,10 +635,15 @@ def test_transformers_named_chat_templates_use_the_default_one(copy_fixture, cli
     ("chat_template", [{"name": "default", "template": 5}],
      "'chat_template' holds {\"name\": \"default\", \"template\": 5}, not a named template"),
     ("chat_template", {"default": ["x"]}, "'chat_template.default' is [\"x\"], not a template"),
+    ("additional_special_tokens", "<|im_end|>", "'additional_special_tokens' is \"<|im_end|>\", not a list of "
+                                                "tokens' texts"),
+    ("additional_special_tokens", {"content": "<|im_end|>"}, "'additional_special_tokens' is {\"content\": "
+                                                             "\"<|im_end|>\"}, not a list of tokens' texts"),
 ])
 def test_tokenizer_config_fields_of_the_wrong_type_are_named(copy_fixture, cli, field, value, fragment):
-    """Was: a special token of another type read as none (the template rendered eos_token as ''), and a named
-    template of another form passed over ("names templates [] but no 'default' one"), neither naming the field."""
+    """Was: a special token of another type read as none (the template rendered eos_token as ''), a named
+    template of another form passed over ("names templates [] but no 'default' one"), neither naming the field, and
+    additional_special_tokens not a list read as none, unsaid."""
     from engine.tokenizer import ModelTokenizer
 
     folder = copy_fixture("gptoss")
