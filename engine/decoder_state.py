@@ -138,6 +138,14 @@ class DecoderState:
             else:
                 raise ModelFileError(
                     f"{self.config.path}: graph input '{name}' is neither a genai_config input nor a past-state pattern")
+        # a window for a layer the graph lacks (load_genai_config checks this against num_hidden_layers, where given):
+        # a layer index typed wrong, whose own layer runs without its window
+        layers = 1 + max((slot.layer for slot in self._slots), default=-1)
+        beyond = [i for i in self.config.sliding_window_layers or () if not self.config.num_layers and i >= layers]
+        if beyond:
+            raise ModelFileError(f"{self.config.path}: 'model.decoder.sliding_window.layers' names layer {beyond[0]}; "
+                                 f"the graph's past-state inputs are of layers 0 to {layers - 1} (genai_config.json "
+                                 "gives no 'model.decoder.num_hidden_layers')")
         self._by_past = {slot.past_name: slot for slot in self._slots}
         self._by_present = {slot.present_name: slot for slot in self._slots}
         for slot in self._slots:

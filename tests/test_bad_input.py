@@ -594,6 +594,23 @@ def test_a_sliding_window_layer_the_model_lacks_is_named(copy_fixture, cli):
     assert_clean_error(cli("generate", str(folder), "--device", "simulated", "--prompt", "hi"), fragment)
 
 
+def test_a_sliding_window_layer_the_graph_lacks_is_named_without_num_hidden_layers(copy_fixture, cli):
+    """Was: accepted where genai_config.json gives no num_hidden_layers (the check above had nothing to hold the
+    layers against); now held against the layers of the graph's past-state inputs."""
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["decoder"]["sliding_window"]["layers"] = [0, 5]
+    del config["model"]["decoder"]["num_hidden_layers"]
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    fragment = ("genai_config.json: 'model.decoder.sliding_window.layers' names layer 5; the graph's past-state "
+                "inputs are of layers 0 to 1 (genai_config.json gives no 'model.decoder.num_hidden_layers')")
+    assert_clean_error(cli("inspect", str(folder)), fragment)
+    assert_clean_error(cli("generate", str(folder), "--device", "simulated", "--prompt", "hi"), fragment)
+    config["model"]["decoder"]["sliding_window"]["layers"] = [1]  # a layer the graph has: read as before
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    assert cli("inspect", str(folder)).returncode == 0
+
+
 def test_genai_config_sections_of_the_wrong_kind_are_named(copy_fixture, cli):
     folder = copy_fixture("gptoss")
     original = json.loads((folder / "genai_config.json").read_text())
