@@ -97,6 +97,28 @@ def check_kv_head_size(config: GenaiConfig, graph: onnx.GraphProto) -> None:
                                  f"values over its {heads} heads)")
 
 
+def check_window_attention(config: GenaiConfig, graph: onnx.GraphProto) -> None:
+    """genai_config.json's sliding-window layers held against the GroupQueryAttention nodes that read their KV caches:
+    a node that attends over more tokens than the window's cache holds (local_window_size, or the context where it is
+    -1) outgrows that cache, which onnxruntime refused only at the step that filled it, naming neither the file nor
+    the field (and inspect said the model runs)."""
+    window = (config.sliding_window_size or 0) + config.sliding_cache_slack
+    keys = [_pattern_regex(pattern) for kind, pattern, _ in config.state_pairs() if kind == "key"]
+    for node in graph.node:
+        if node.op_type != "GroupQueryAttention" or len(node.input) < 4:
+            continue
+        match = next((found for regex in keys if (found := regex.match(node.input[3]))), None)
+        if match is None or not config.is_sliding(int(match.group(1))):
+            continue
+        local = next((attr.i for attr in node.attribute if attr.name == "local_window_size"), -1)
+        if (config.context_length if local < 0 else local) > window:
+            attends = (f"the whole context of {config.context_length:,} tokens" if local < 0
+                       else f"the last {local:,} tokens")
+            raise ModelFileError(f"{config.path}: 'model.decoder.sliding_window' makes layer {match.group(1)}'s KV "
+                                 f"cache '{node.input[3]}' {window:,} slots, but node '{node.name}' attends over "
+                                 f"{attends} (its local_window_size is {local})")
+
+
 class DecoderState:
     """Everything that carries over between steps for one conversation (batch size 1)."""
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 
-from engine.decoder_state import DecoderState, check_kv_head_size
+from engine.decoder_state import DecoderState, check_kv_head_size, check_window_attention
 from engine.errors import ModelFileError, UnsupportedModelError, no_link_loop
 from engine.expert_node import ExpertNodeInfo, describe_expert_node
 from engine.genai_config import GenaiConfig, load_genai_config
@@ -70,6 +70,7 @@ class ModelFolder:
         state = DecoderState(config, source.proto.graph)  # genai_config's past and present names match the graph's
         state.check_window(psutil.virtual_memory().total)
         check_kv_head_size(config, source.proto.graph)
+        check_window_attention(config, source.proto.graph)
         return cls(folder, config, tokenizer, source, plan, experts)
 
     @property

@@ -581,6 +581,31 @@ def test_a_sliding_window_too_large_to_allocate_is_named_at_open(copy_fixture, c
     assert_clean_error(cli("generate", str(folder), "--device", "simulated", "--prompt", "hi"), said)
 
 
+@pytest.mark.parametrize("fixture, window, layer, attends", [
+    ("lfm2moe", {"window_size": 16}, 1, "the whole context of 2,048 tokens (its local_window_size is -1)"),
+    ("gptoss", {"window_size": 32, "layers": [0]}, 0, "the last 64 tokens (its local_window_size is 64)"),
+])
+def test_a_sliding_window_smaller_than_its_attention_is_named_at_open(copy_fixture, cli, fixture, window, layer,
+                                                                      attends):
+    """Was: inspect said the model runs; generate failed at the step that filled the window's cache, in onnxruntime's
+    words ("has shape {1,2,16,32} but the computed output shape for this run is {1,2,17,32}"; "KV cache capacity (32)
+    must be at least local_window_size (64)"), naming neither genai_config.json nor its sliding_window."""
+    folder = copy_fixture(fixture)
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["decoder"]["sliding_window"] = window
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    said = (f"genai_config.json: 'model.decoder.sliding_window' makes layer {layer}'s KV cache "
+            f"'past_key_values.{layer}.key' {window['window_size']} slots, but node "
+            f"'/model/layers.{layer}/attn/GroupQueryAttention' attends over {attends}")
+    assert_clean_error(cli("inspect", str(folder)), said)
+    assert_clean_error(cli("generate", str(folder), "--device", "simulated", "--prompt", "hi"), said)
+    # a full-attention layer whose whole context the window's cache holds is read as before; a local window larger
+    # than the cache stays refused whatever the context (GroupQueryAttention demands the capacity)
+    config["model"]["context_length"] = 16
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    assert (cli("inspect", str(folder)).returncode == 0) == (fixture == "lfm2moe")
+
+
 def test_a_sliding_window_layer_the_model_lacks_is_named(copy_fixture, cli):
     """Was: accepted, the window kept for no layer there is: a layer index typed wrong (5 for 1) ran its own layer
     with full attention, unsaid."""
@@ -606,7 +631,7 @@ def test_a_sliding_window_layer_the_graph_lacks_is_named_without_num_hidden_laye
                 "inputs are of layers 0 to 1 (genai_config.json gives no 'model.decoder.num_hidden_layers')")
     assert_clean_error(cli("inspect", str(folder)), fragment)
     assert_clean_error(cli("generate", str(folder), "--device", "simulated", "--prompt", "hi"), fragment)
-    config["model"]["decoder"]["sliding_window"]["layers"] = [1]  # a layer the graph has: read as before
+    config["model"]["decoder"]["sliding_window"]["layers"] = [0]  # a layer the graph has: read as before
     (folder / "genai_config.json").write_text(json.dumps(config))
     assert cli("inspect", str(folder)).returncode == 0
 
