@@ -122,6 +122,7 @@ class OnnxFile:
             raise ModelFileError(f"{self.path}: {reason}") from None
         if not self.proto.graph.node:
             raise ModelFileError(f"{self.path}: the ONNX graph has no nodes (corrupt or empty model)")
+        self._check_text()
         self._fold_constants()
         self.initializers: dict[str, onnx.TensorProto] = {t.name: t for t in self.proto.graph.initializer}
         self._maps: dict[str, mmap.mmap] = {}
@@ -136,6 +137,31 @@ class OnnxFile:
         self._declared_shapes: dict[str, tuple] | None = None  # declared_shape's, read at first use
         self._check_initializers()
         self._check_external_data()
+
+    def _check_text(self) -> None:
+        """Every name and location the graph holds is UTF-8 text. protobuf hands one that is not (a damaged byte) as
+        bytes, which failed later as a name no node produces, an operator "b'Si\\x9bmoid'" onnxruntime lacks, or an
+        internal error (a data file's location)."""
+        def shown(value) -> str:
+            return value.decode("utf-8", "backslashreplace") if isinstance(value, bytes) else value
+
+        graph = self.proto.graph
+        fields = [(f"a graph {kind}'s name", value.name)
+                  for kind, values in (("input", graph.input), ("output", graph.output),
+                                       ("value_info", graph.value_info)) for value in values]
+        for node in graph.node:
+            where = f"node '{shown(node.name)}'"
+            fields += [("a node's name", node.name), (f"{where} operator", node.op_type),
+                       (f"{where} domain", node.domain)]
+            fields += [(f"{where} input {i}", name) for i, name in enumerate(node.input)]
+            fields += [(f"{where} output {i}", name) for i, name in enumerate(node.output)]
+        for tensor in graph.initializer:
+            fields.append(("an initializer's name", tensor.name))
+            fields += [(f"initializer '{shown(tensor.name)}' external data {shown(entry.key)}", entry.value)
+                       for entry in tensor.external_data]
+        for what, value in fields:
+            if isinstance(value, bytes):
+                raise ModelFileError(f"{self.path}: {what} '{shown(value)}' is not UTF-8 text")
 
     def _check_initializers(self) -> None:
         """Each initializer of a data type ONNX defines, its inline values filling its shape, and its external data's

@@ -410,6 +410,24 @@ def test_the_expert_attributes_known_are_onnxruntimes():
     assert schemas == _KNOWN_ATTRIBUTES
 
 
+@pytest.mark.parametrize("text, damaged, said", [
+    (b"model.onnx.data", b"model.on\x9bx.data",
+     r"initializer 'model.embed_tokens.weight' external data location 'model.on\x9bx.data' is not UTF-8 text"),
+    (b"model.layers.0.moe.experts.gate_up_proj.bias", b"\x9bodel.layers.0.moe.experts.gate_up_proj.bias",
+     r"node '/model/layers.0/moe/QMoE' input 4 '\x9bodel.layers.0.moe.experts.gate_up_proj.bias' is not UTF-8 text"),
+    (b"present.1.value", b"present.1.valu\x9b",
+     r"node '/model/layers.1/attn/GroupQueryAttention' output 2 'present.1.valu\x9b' is not UTF-8 text"),
+])
+def test_a_name_in_model_onnx_that_is_not_utf8_is_named(copy_fixture, cli, text, damaged, said):
+    """A damaged byte in a name, which protobuf hands over as bytes: a data file's location failed as 'internal
+    error: TypeError: unsupported operand type(s) for /: 'PosixPath' and 'bytes'', a node's input as
+    "reads [b'\\x9bodel...'], which no node produces"."""
+    folder = copy_fixture("gptoss")
+    raw = (folder / "model.onnx").read_bytes()
+    (folder / "model.onnx").write_bytes(raw.replace(text, damaged, 1))  # (the same length: the file still parses)
+    assert_clean_error(cli("inspect", str(folder)), f"model.onnx: {said}")
+
+
 def _inline(name: str, raw: bytes):
     def edit(model):
         tensor = _initializer(model, name)
