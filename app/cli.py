@@ -107,8 +107,7 @@ def _build_parser() -> argparse.ArgumentParser:
                             "model's genai_config.json search.random_seed, where it sets one)")
     gen.add_argument("--stop", action="append", default=[], help="stop when this text appears in the answer; it may "
                      "name a special token, <|im_end|>, which the answer does not show (repeatable)")
-    gen.add_argument("--reasoning", help="the chat template's reasoning setting, where it has one: low, medium or high "
-                                         "(gpt-oss's effort), on or off (Qwen3's thinking); default: the template's")
+    _add_reasoning_argument(gen, "")
     gen.add_argument("--threads", type=at_least(0), help="CPU threads for expert kernels, at most the cores (default "
                      "or 0: automatic, every core less those other processes keep busy)")
     _add_device_arguments(gen)
@@ -123,6 +122,7 @@ def _build_parser() -> argparse.ArgumentParser:
     record.add_argument("--max-new-tokens", type=at_least(1), help=_answer_length_help(
         SCENARIO_TOKENS, "; the long scenario's within what the context leaves after its input"))
     _add_record_sampling_arguments(record)
+    _add_reasoning_argument(record, "every run's answers: ")
     record.add_argument("--label", default="", help="a name for these runs, shown by history and matched by its "
                         "--label")
     record.add_argument("--json", action="store_true", help="print the records as JSON")
@@ -140,6 +140,7 @@ def _build_parser() -> argparse.ArgumentParser:
                        "a sweep times the same work at each budget; a model that reasons first spends them on its "
                        "reasoning, which decodes as an answer does)")
     _add_record_sampling_arguments(sweep)
+    _add_reasoning_argument(sweep, "every point's answers: ")
     sweep.add_argument("--repeats", type=at_least(1), default=SWEEP_REPEATS,
                        help=f"times each budget runs the scenarios (default {SWEEP_REPEATS}): its times are the "
                        "medians, and a budget whose median differs from the fastest's by less than their repeats' "
@@ -308,6 +309,24 @@ def _add_record_sampling_arguments(parser: argparse.ArgumentParser) -> None:
                             f"genai_config.json search.random_seed where it sets one, else {RECORD_SEED}: a repeat run "
                             "samples as this one did); the record keeps it", plain="",
                             own="with --model-sampling: the model's")
+
+
+def _add_reasoning_argument(parser: argparse.ArgumentParser, whose: str) -> None:
+    """generate's, record's and sweep's --reasoning (`whose`: what it sets, said before the values)."""
+    parser.add_argument("--reasoning", help=f"{whose}the chat template's reasoning setting, where it has one: low, "
+                        "medium or high (gpt-oss's effort), on or off (Qwen3's thinking); default: the template's")
+
+
+def _check_reasoning(args) -> None:
+    """--reasoning refused, naming the values the model's chat template takes, before the model loads (minutes)."""
+    if args.reasoning is None:
+        return
+    from engine.model_folder import folder_path
+    from engine.reasoning import reasoning_variables
+    from engine.tokenizer import ModelTokenizer
+
+    reasoning_variables(ModelTokenizer(folder_path(args.model)), args.reasoning,
+                        said_as=f"--reasoning '{args.reasoning}'")
 
 
 def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
@@ -722,15 +741,9 @@ def _cmd_generate(args) -> int:
     params = _generation_params(args)
     if not args.prompt.strip():
         raise PromptError("the prompt is empty")
-    if args.reasoning is not None:  # checked before the model loads: its chat template says what it takes
-        if args.raw:
-            raise PromptError("--reasoning is a chat template setting: it does nothing with --raw")
-        from engine.model_folder import folder_path
-        from engine.reasoning import reasoning_variables
-        from engine.tokenizer import ModelTokenizer
-
-        reasoning_variables(ModelTokenizer(folder_path(args.model)), args.reasoning,
-                            said_as=f"--reasoning '{args.reasoning}'")
+    if args.reasoning is not None and args.raw:
+        raise PromptError("--reasoning is a chat template setting: it does nothing with --raw")
+    _check_reasoning(args)
     fallback = []
     config, device = _offload_setup(args, fallback)
     # the device the answer ran on and why, where it is not the one asked for: a script reads the JSON, not stderr
@@ -913,6 +926,7 @@ def _cmd_record(args) -> int:
     history = History(args.history)  # a bad history file refused before the model loads
     history.check_writable()
     sampling = _record_sampling(args, "record")
+    _check_reasoning(args)
     fallback = []  # why every expert runs on the CPU where the CUDA GPU cannot be used: each record says it
     config, device = _offload_setup(args, fallback)
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
@@ -920,9 +934,9 @@ def _cmd_record(args) -> int:
     _warn_after_load(args, model)
     runs = []  # (scenario, answer length) of those scenario_turns accepts, checked before the first runs
     for scenario in _scenarios(args.scenario):
-        tokens = args.max_new_tokens or scenario_answer_tokens(model, scenario)
+        tokens = args.max_new_tokens or scenario_answer_tokens(model, scenario, args.reasoning)
         try:
-            scenario_turns(scenario, model.tokenizer, model.config, tokens)
+            scenario_turns(scenario, model.tokenizer, model.config, tokens, args.reasoning)
         except PromptError as exc:  # the long input on a short context: with "all", the others run
             if args.scenario != "all":
                 raise
@@ -932,9 +946,9 @@ def _cmd_record(args) -> int:
     records = []
     for scenario, tokens in runs:
         try:
-            record = run_scenario(model, scenario, GenerationParams(max_new_tokens=tokens, sampling=sampling), device,
-                                  label=args.label, progress=_ProgressLine(f"scenario {scenario}"),
-                                  length_setting="--max-new-tokens")
+            params = GenerationParams(max_new_tokens=tokens, sampling=sampling, reasoning=args.reasoning)
+            record = run_scenario(model, scenario, params, device, label=args.label,
+                                  progress=_ProgressLine(f"scenario {scenario}"), length_setting="--max-new-tokens")
             if fallback:
                 record.offload["device_fallback"] = fallback[0]
         except (Exception, KeyboardInterrupt) as exc:  # after runs were saved: say them (and print them, with --json)
@@ -1039,6 +1053,7 @@ def _cmd_sweep(args) -> int:
     history = History(args.history)  # a bad history file refused before the sweep runs
     history.check_writable()
     sampling = _record_sampling(args, "sweep")
+    _check_reasoning(args)
     if args.save_as:
         from engine.records.configurations import check_saved
 
@@ -1052,7 +1067,7 @@ def _cmd_sweep(args) -> int:
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
     _warn_after_load(args, model)
-    scenarios, skipped = fitting_scenarios(model, _scenarios(args.scenario), args.max_new_tokens)
+    scenarios, skipped = fitting_scenarios(model, _scenarios(args.scenario), args.max_new_tokens, args.reasoning)
     if skipped:
         print(f"sweep: {skipped}", file=sys.stderr, flush=True)
     note = reasoning_length_note(model.reasoning_answer_tokens, args.max_new_tokens)
@@ -1071,7 +1086,8 @@ def _cmd_sweep(args) -> int:
     progress = _ProgressLine("sweep")
     try:
         points = run_sweep(model, device, args.points, scenarios,
-                           GenerationParams(max_new_tokens=args.max_new_tokens, sampling=sampling), progress=progress,
+                           GenerationParams(max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                            reasoning=args.reasoning), progress=progress,
                            splits=BOTH_SPLITS if args.both_splits else None, on_point=save, repeats=args.repeats,
                            on_left_out=lambda note, _count: progress.say(note), length_setting="--max-new-tokens",
                            on_warm_up=lambda budget, fraction, seconds: warm_up.update(

@@ -54,6 +54,16 @@ def think_folder(copy_fixture, opened: bool, tag_tokens: bool = True) -> Path:
     return folder
 
 
+def thinking_switch_folder(copy_fixture) -> Path:
+    """The lfm2moe fixture with a template as Qwen3's that reads enable_thinking: thinking off writes an empty think
+    block after the prompt (in tokens of the fixture's own vocabulary: its weights run them), so a prompt rendered
+    with the setting has more tokens than one rendered with the template's default."""
+    folder = copy_fixture("lfm2moe")
+    (folder / "chat_template.jinja").write_text(THINK_TEMPLATE.replace("{{ opening }}", (
+        "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}")))
+    return folder
+
+
 class ScriptedForward:
     """A decoder's forward whose logits pick the scripted tokens in turn (answers of tokens the fixtures' random
     weights never write); `fed` records what each call was given."""

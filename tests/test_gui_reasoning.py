@@ -504,3 +504,50 @@ def test_an_answer_cut_at_the_context_says_the_limit_in_tokens():
         " · context full of 2048 tokens")
     assert stats_line({"finish_reason": "max_length", "timings": timings}).endswith(
         " · the model's search.max_length of 197 tokens")
+
+
+def test_record_and_the_sweep_take_a_reasoning_setting_to_their_prompts_and_records(qtbot, tmp_path, copy_fixture,
+                                                                                    monkeypatch):
+    """The window's Record and sweep had no reasoning setting: their answers rendered with the template's default, and
+    Record's long scenario counted its own answer length with it too, so with thinking off (an empty think block after
+    the input) that length asked for more than the context leaves. Each offers the loaded model's values; the one
+    chosen renders every prompt, counts the long input's room, and each record keeps it."""
+    from types import SimpleNamespace
+
+    from engine.genai_config import load_genai_config
+    from engine.records.history import History
+    from engine.records.scenarios import scenario_turns
+    from tests.reasoning_models import thinking_switch_folder
+    from tests.test_reasoning import _rendered_tokens, configured, scripted_hello
+
+    folder = thinking_switch_folder(copy_fixture)
+    tokenizer = ModelTokenizer(folder)
+    scripted_hello(monkeypatch, tokenizer, load_genai_config(folder))
+    roomy = SimpleNamespace(context_length=1 << 20, search=SimpleNamespace(max_length=1 << 20))
+    long_input, short = (scenario_turns(name, tokenizer, roomy, 1, "off")[0] for name in ("long", "short"))
+    off = {"enable_thinking": False}
+    context = _rendered_tokens(tokenizer, long_input, off) + 70  # the answer's room with thinking off: 70 tokens
+    assert _rendered_tokens(tokenizer, long_input, {}) < context - 70  # (the default renders no block)
+    configured(folder, context, {"max_length": context})
+    history = History(tmp_path / "history.sqlite3")
+    window = make_window(qtbot, tmp_path, history_path=tmp_path / "history.sqlite3")
+    load(qtbot, window, folder, {"device": {"kind": "simulated", "capacity": 8 << 30}, "entries": {}})
+    for view in (window.scenarios, window.sweep):
+        assert [view.reasoning.itemText(i) for i in range(view.reasoning.count())] == ["model default", "on", "off"]
+        view.reasoning.setCurrentIndex(view.reasoning.findData("off"))
+        view.reasoning.activated.emit(view.reasoning.currentIndex())  # as the user's pick
+    window.scenarios.scenario.setCurrentText("long")  # at the model's own length: what the context leaves
+    result = run_job(qtbot, window, window.scenarios)
+    assert result is not None and not result.errors, window.error_banner.label.text()
+    saved = result.saved
+    assert [(r.generation["reasoning"], r.generation["max_new_tokens"], r.turns[0]["prompt_tokens"])
+            for _id, r in saved] == [("off", 70, context - 70)]
+    window.sweep.points.setValue(2)
+    window.sweep.repeats.setValue(1)
+    window.sweep.max_tokens.setValue(2)
+    window.sweep.scenario.setCurrentText("short")
+    points = run_job(qtbot, window, window.sweep).points
+    assert [(r.generation["reasoning"], r.turns[0]["prompt_tokens"]) for p in points for r in p.records] == [
+        ("off", _rendered_tokens(tokenizer, short, off))] * 2
+    assert len(history.rows(label="sweep")) == 2
+    window.close()

@@ -14,7 +14,7 @@ from engine.reasoning import REASONING_ANSWER_TOKENS, answer_format
 from engine.tokenizer import ModelTokenizer
 from tests.conftest import fixture_folder
 from tests.reasoning_models import (ScriptedForward, ScriptedStates, awkward_tokens, harmony_folder, scenario_answers,
-                                    think_folder)
+                                    think_folder, thinking_switch_folder)
 
 ANALYSIS_THEN_FINAL = ("<|channel|>analysis<|message|>The user greets; answer briefly.<|end|>"
                        "<|start|>assistant<|channel|>final<|message|>Hello there!")
@@ -502,3 +502,96 @@ def test_a_prompt_snapshot_that_would_take_much_of_the_hosts_free_memory_is_not_
     chat.send("Hi", GenerationParams(max_new_tokens=64))
     assert chat._prompt_snapshot is None
     assert chat.send("How are you?", GenerationParams(max_new_tokens=64)).reused_cache_tokens == 0
+
+
+def _rendered_tokens(tokenizer, prompt: str, variables: dict) -> int:
+    """`prompt`'s tokens as the chat template renders it with `variables`, counted here, not by the code under test."""
+    return len(tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": prompt}], variables=variables)))
+
+
+def scripted_hello(monkeypatch, tokenizer, config) -> None:
+    """Every conversation answers "Hello there!" and ends: a context past the fixture's rotary cache (2,048 positions)
+    can then hold the long input and an answer of 64 tokens or more."""
+    from engine.decoder import PartitionedDecoder
+
+    answer = tokenizer.encode("Hello there!") + [config.eos_token_ids[0]]
+    monkeypatch.setattr(PartitionedDecoder, "forward", ScriptedStates(tokenizer.vocab_size, answer))
+
+
+def test_the_record_command_counts_the_long_inputs_room_with_its_reasoning_setting(copy_fixture, monkeypatch, capsys,
+                                                                                  tmp_path):
+    """record had no reasoning setting, and its long scenario's own answer length (scenario_answer_tokens) counted the
+    input as the template's default renders it: with thinking off, Qwen3's template writes an empty think block after
+    it, so the length asked for more than the context leaves and the run was refused. `--reasoning` reaches the
+    template, the length is counted with it, and the record keeps it; without it, the template's default, as before."""
+    from types import SimpleNamespace
+
+    from app import cli
+    from engine.genai_config import load_genai_config
+    from engine.records.scenarios import scenario_turns
+
+    folder = thinking_switch_folder(copy_fixture)
+    tokenizer = ModelTokenizer(folder)
+    scripted_hello(monkeypatch, tokenizer, load_genai_config(folder))
+    roomy = SimpleNamespace(context_length=1 << 20, search=SimpleNamespace(max_length=1 << 20))
+    off = {"enable_thinking": False}
+    context = _rendered_tokens(tokenizer, scenario_turns("long", tokenizer, roomy, 1, "off")[0], off) + 70
+    configured(folder, context, {"max_length": context})  # the answer's room with thinking off: 70 tokens
+    history = str(tmp_path / "history.sqlite3")
+    for asked, setting, variables in (([], None, {}), (["--reasoning", "off"], "off", off)):
+        status = cli.main(["record", str(folder), "--scenario", "long", "--json", "--history", history, *asked])
+        out, err = capsys.readouterr()
+        assert status == 0, err
+        record = json.loads(out)[0]
+        turn = record["turns"][0]
+        fed = _rendered_tokens(tokenizer, turn["prompt"], variables)
+        assert turn["prompt_tokens"] == fed and record["generation"]["reasoning"] == setting
+        assert record["generation"]["max_new_tokens"] == context - fed
+        if setting:  # the empty think block
+            assert _rendered_tokens(tokenizer, turn["prompt"], {}) < fed
+    status = cli.main(["record", str(folder), "--history", history, "--reasoning", "high"])
+    assert status == 2 and capsys.readouterr().err == ("moe-workbench: error: --reasoning 'high': this model's chat "
+                                                        "template takes on, off\n")
+
+
+@pytest.mark.parametrize("setting, variables", [(None, {}), ("off", {"enable_thinking": False})])
+def test_a_sweeps_reasoning_setting_reaches_every_points_prompts_and_records(copy_fixture, monkeypatch, capsys,
+                                                                            tmp_path, setting, variables):
+    """sweep had no reasoning setting: every point's answers rendered with the template's default. `--reasoning`
+    renders every point's prompts with it (its unrecorded warm-up answer's too: it puts the point's runs after the same
+    work), each record keeps it and its report says it; without it, the template's default, as before."""
+    import engine.records.sweep as sweep
+    from app import cli
+    from app.gui.record_report import detail_html
+    from engine.records.history import History
+    from engine.records.scenarios import scenario_turns
+
+    folder = thinking_switch_folder(copy_fixture)
+    rendered, render_chat, warm_up_answer = [], ModelTokenizer.render_chat, sweep.warm_up_answer
+
+    def render(self, messages, add_generation_prompt=True, variables=None):
+        rendered.append(variables)
+        return render_chat(self, messages, add_generation_prompt, variables)
+
+    def before_the_points(*args):  # the model's own warm-up at its loaded budget, as before a record
+        answered = warm_up_answer(*args)
+        rendered.clear()
+        return answered
+
+    monkeypatch.setattr(ModelTokenizer, "render_chat", render)
+    monkeypatch.setattr(sweep, "warm_up_answer", before_the_points)
+    history = str(tmp_path / "history.sqlite3")
+    status = cli.main(["sweep", str(folder), "--device", "simulated", "--points", "2", "--repeats", "1",
+                       "--max-new-tokens", "2", "--history", history, *(["--reasoning", setting] if setting else [])])
+    assert status == 0, capsys.readouterr().err
+    # each point's warm-up and run (each send renders its prompt, and may render the turn after it)
+    assert len(rendered) >= 4 and all(said == variables for said in rendered)
+    saved = History(history)
+    records = [saved.get(row["id"]) for row in saved.rows(label="sweep")]
+    tokenizer = ModelTokenizer(folder)
+    prompt = scenario_turns("short", tokenizer, None, 2)[0]
+    assert len(records) == 2 and all(
+        (r.generation["reasoning"], r.turns[0]["prompt_tokens"]) == (setting, _rendered_tokens(tokenizer, prompt,
+                                                                                               variables))
+        for r in records)
+    assert f"<td>reasoning setting</td><td>{setting or 'the template&#x27;s default'}</td>" in detail_html(records[0])

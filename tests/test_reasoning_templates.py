@@ -231,11 +231,9 @@ def test_the_long_input_is_counted_as_the_run_renders_it_with_its_reasoning_sett
     prompt, which the count left out, so a context that held the count and the answer but not the prompt as fed passed
     the check. Counted with the setting, the scenario is refused before it runs, naming the tokens it needs."""
     from engine.records.scenarios import run_scenario
-    from tests.reasoning_models import THINK_TEMPLATE
+    from tests.reasoning_models import thinking_switch_folder
 
-    folder = copy_fixture("lfm2moe")  # (the block in tokens of its own vocabulary: the fixture's weights run them)
-    (folder / "chat_template.jinja").write_text(THINK_TEMPLATE.replace("{{ opening }}", (
-        "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}")))
+    folder = thinking_switch_folder(copy_fixture)
     fed = run_scenario(LoadedModel.open(folder), "long", GenerationParams(max_new_tokens=1, reasoning="off")).turns[0][
         "prompt_tokens"]
     config = json.loads((folder / "genai_config.json").read_text())

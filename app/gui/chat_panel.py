@@ -13,14 +13,14 @@ import time
 
 from PySide6.QtCore import Qt, QUrl, Signal
 from PySide6.QtGui import QGuiApplication, QKeyEvent, QTextCursor
-from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFrame, QGridLayout, QHBoxLayout, QLabel, QLineEdit,
+from PySide6.QtWidgets import (QDoubleSpinBox, QFrame, QGridLayout, QHBoxLayout, QLabel, QLineEdit,
                                QPlainTextEdit, QPushButton, QSpinBox, QTextBrowser, QToolButton,
                                QVBoxLayout, QWidget)
 
 from app.gui import theme
 from app.gui.placement_view import split_text
 from app.gui.stream_pacing import Pacer
-from app.gui.widgets import MAX_ANSWER_TOKENS, AnswerLength, OneLineLabel, unknown_key
+from app.gui.widgets import MAX_ANSWER_TOKENS, AnswerLength, OneLineLabel, ReasoningChoice, unknown_key
 from engine.offload.approximate import agreement_text
 from engine.units import counted, decode_rate, duration_text
 
@@ -204,13 +204,7 @@ class ChatPanel(QWidget):
         self.seed.setSpecialValueText("random")
         self.stops = QLineEdit()
         self.stops.setPlaceholderText("stop texts, separated by |; a special token, <|im_end|>, is one")
-        # the chat template's reasoning setting (gpt-oss: effort; Qwen3: thinking on or off), where it has one
-        self.reasoning = QComboBox()
-        self.reasoning.setAccessibleName("Reasoning")
-        self.reasoning.setToolTip("What the model's chat template takes for reasoning: gpt-oss's effort (low, medium, "
-                                  "high), Qwen3's thinking (on, off); 'model default' leaves it to the template")
-        self._wanted_reasoning: str | None = None  # the setting kept while a model without one is loaded
-        self.set_reasoning_choices([])
+        self.reasoning = ReasoningChoice()  # where the model's chat template has a reasoning setting
         self.model_defaults_button = QPushButton("Model defaults")
         self._model_sampling: dict | None = None  # the loaded model's own sampling (genai_config.json's search)
         self.set_model_sampling(None)
@@ -262,7 +256,6 @@ class ChatPanel(QWidget):
         self.regenerate_button.clicked.connect(self.regenerate)
         self.copy_button.clicked.connect(self.copy_last)
         self.new_button.clicked.connect(self.new_chat)
-        self.reasoning.activated.connect(lambda _index: setattr(self, "_wanted_reasoning", self.reasoning.currentData()))
         self.model_defaults_button.clicked.connect(self.use_model_sampling)
         self.set_state(busy=False, loaded=False)
         self.render()
@@ -303,19 +296,11 @@ class ChatPanel(QWidget):
                                  f"{_number(box.maximum())}")
             box.setValue(number)
         self.stops.setText("|".join(stops))
-        self._wanted_reasoning = reasoning
-        self._select_reasoning()
+        self.reasoning.choose(reasoning)
 
     def set_reasoning_choices(self, choices: list[str]) -> None:
         """The loaded model's reasoning values (engine/reasoning.py), none for a template without the setting."""
-        self.reasoning.blockSignals(True)
-        self.reasoning.clear()
-        self.reasoning.addItem("model default" if choices else "none in this model", None)
-        for choice in choices:
-            self.reasoning.addItem(choice, choice)
-        self.reasoning.setEnabled(bool(choices))
-        self.reasoning.blockSignals(False)
-        self._select_reasoning()
+        self.reasoning.set_choices(choices)
 
     def set_model_sampling(self, sampling: dict | None) -> None:
         """The loaded model's own sampling settings (engine_worker._model_sampling), which Model defaults fills in."""
@@ -357,10 +342,6 @@ class ChatPanel(QWidget):
             hints += (f" It reasons before it answers, which often takes more than the {self.max_tokens.value()} "
                       "tokens Settings ▸ Max tokens allows.")
         return hints
-
-    def _select_reasoning(self) -> None:
-        index = self.reasoning.findData(self._wanted_reasoning)
-        self.reasoning.setCurrentIndex(max(0, index))
 
     # --- actions ---------------------------------------------------------------------------------
     def send(self) -> None:

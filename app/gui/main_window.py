@@ -1030,6 +1030,8 @@ class MainWindow(QMainWindow):
         self.chat.entries.clear()  # a load starts a new conversation
         self.worker.requestNewChat.emit(self.chat.system_prompt.toPlainText())  # (after the load: one refused keeps it)
         self.chat.set_reasoning_choices(info.get("reasoning_choices", []))
+        for view in (self.scenarios, self.sweep):  # their answers take the setting as the chat's do
+            view.reasoning.set_choices(info.get("reasoning_choices", []))
         self.chat.set_model_sampling(info.get("sampling"))
         self.chat.max_tokens.set_model(info["reasoning_answer_tokens"])
         self.chat.render()

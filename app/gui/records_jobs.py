@@ -63,18 +63,21 @@ def scenario_names(choice: str) -> list[str]:
     return list(SCENARIOS) if choice == "all" else [choice]
 
 
-def answer_params(max_new_tokens: int, sampling: SamplingParams = SamplingParams()) -> GenerationParams:
-    """Answers of `max_new_tokens`, greedy unless `sampling` says otherwise."""
+def answer_params(max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+                  reasoning: str | None = None) -> GenerationParams:
+    """Answers of `max_new_tokens`, greedy unless `sampling` says otherwise, with the chat template's `reasoning`
+    setting (None: its default)."""
     if int(max_new_tokens) < 1:
         raise WorkbenchError(f"the answer length must be at least 1 token, got {max_new_tokens}")
-    return GenerationParams(max_new_tokens=int(max_new_tokens), sampling=sampling)
+    return GenerationParams(max_new_tokens=int(max_new_tokens), sampling=sampling, reasoning=reasoning)
 
 
-def scenario_params(model: LoadedModel, name: str, chosen: int | None,
-                    sampling: SamplingParams = SamplingParams()) -> GenerationParams:
-    """Answers of the user's length, or where they chose none the model's for the scenario (scenario_answer_tokens);
-    greedy unless `sampling` says otherwise."""
-    return answer_params(scenario_answer_tokens(model, name) if chosen is None else chosen, sampling)
+def scenario_params(model: LoadedModel, name: str, chosen: int | None, sampling: SamplingParams = SamplingParams(),
+                    reasoning: str | None = None) -> GenerationParams:
+    """Answers of the user's length, or where they chose none the model's for the scenario (scenario_answer_tokens,
+    counted with the `reasoning` setting); greedy unless `sampling` says otherwise."""
+    tokens = scenario_answer_tokens(model, name, reasoning) if chosen is None else chosen
+    return answer_params(tokens, sampling, reasoning)
 
 
 # how the Record bar's and the sweep's answers choose their tokens (record_sampling)
@@ -180,6 +183,7 @@ class ScenarioJob:
     label: str = ""
     answers: str = GREEDY               # how the answers choose their tokens (record_sampling)
     chat_options: dict | None = None    # the chat's settings, for answers=CHAT_SAMPLING
+    reasoning: str | None = None        # the chat template's reasoning setting (None: the template's default)
 
     def __call__(self, ctx: JobContext) -> ScenarioResult:
         model = ctx.loaded()
@@ -195,7 +199,7 @@ class ScenarioJob:
                 break
             reporter = _Reporter(ctx, index / count, 1 / count, f"{name} ({index + 1} of {count})")
             reporter.report(force=True)
-            params = scenario_params(model, name, self.max_new_tokens, sampling)
+            params = scenario_params(model, name, self.max_new_tokens, sampling, self.reasoning)
             try:
                 record = run_scenario(model, name, params, ctx.device, label=self.label, cancel=ctx.cancel,
                                       progress=reporter.on_turn, on_text=reporter.on_text)
@@ -284,6 +288,7 @@ class SweepJob:
     answers: str = GREEDY               # how the answers choose their tokens (record_sampling)
     chat_options: dict | None = None    # the chat's settings, for answers=CHAT_SAMPLING
     repeats: int = SWEEP_REPEATS        # runs of the scenarios at each budget: the times compared are their medians
+    reasoning: str | None = None        # the chat template's reasoning setting (None: the template's default)
 
     def __call__(self, ctx: JobContext) -> SweepResult:
         model = ctx.loaded()
@@ -295,7 +300,8 @@ class SweepJob:
             raise WorkbenchError("A budget sweep needs a device for resident experts: load the model with a "
                                  "simulated GPU or the CUDA GPU (Budgets panel).")
         check_mode(model.offload.config.mode)  # refused in the command line's words, before anything runs
-        params = answer_params(self.max_new_tokens, record_sampling(model, self.answers, self.chat_options))
+        params = answer_params(self.max_new_tokens, record_sampling(model, self.answers, self.chat_options),
+                               self.reasoning)
         scenarios, skipped = fitting_scenarios(model, self.scenarios, params.max_new_tokens, params.reasoning)
         history = History(self.history_path)  # a bad history file refused before the sweep runs
         history.check_writable()

@@ -8,7 +8,7 @@ from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QLineEdit, QVBoxLa
 
 from app.gui.job_bar import JobBar
 from app.gui.records_jobs import ScenarioJob, ScenarioResult, scenario_names
-from app.gui.widgets import AnswerLength, AnswersChoice
+from app.gui.widgets import AnswerLength, AnswersChoice, ReasoningChoice
 from engine.records.lengths import SCENARIO_TOKENS
 from engine.records.scenarios import SCENARIOS
 
@@ -36,6 +36,7 @@ class ScenarioView(QWidget):
                                        "model's own there is what the context leaves after that input")
         self.max_tokens.setAccessibleName("Answer tokens")
         self.answers = AnswersChoice()
+        self.reasoning = ReasoningChoice()
         self.label = QLineEdit(placeholderText="label (optional)")
         self.label.setAccessibleName("Label for the runs")
         self.bar = JobBar("Record", "Stop at the next token; a cancelled run is not saved")
@@ -45,6 +46,7 @@ class ScenarioView(QWidget):
         row.addWidget(QLabel("tokens"))
         row.addWidget(self.max_tokens)
         row.addWidget(self.answers)
+        row.addWidget(self.reasoning)
         row.addWidget(self.label, 1)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -61,7 +63,7 @@ class ScenarioView(QWidget):
     def run(self) -> None:
         names = scenario_names(self.scenario.currentText())
         job = ScenarioJob(names, self.max_tokens.chosen, self.history_path, self.label.text().strip(),
-                          **self.answers.job_settings())
+                          reasoning=self.reasoning.currentData(), **self.answers.job_settings())
         self.result = None
         self.bar.start(f"Starting {', '.join(names)}…")
         self.jobRequested.emit(KIND, job)

@@ -14,7 +14,7 @@ from app.gui import theme
 from app.gui.budget_panel import PATHS, SPLITS
 from app.gui.job_bar import JobBar
 from app.gui.records_jobs import SweepJob, SweepResult, scenario_names
-from app.gui.widgets import MAX_ANSWER_TOKENS, AnswersChoice
+from app.gui.widgets import MAX_ANSWER_TOKENS, AnswersChoice, ReasoningChoice
 from engine.errors import one_line
 from engine.offload import OffloadConfig
 from engine.offload.approximate import agreement_text
@@ -130,6 +130,7 @@ class SweepView(QWidget):
                                    "budget; a model that reasons first spends it on its reasoning, which decodes as an "
                                    "answer does")
         self.answers = AnswersChoice()
+        self.reasoning = ReasoningChoice()
         self.length_note = QLabel()  # said before a sweep runs, not only as it ends
         self.length_note.setWordWrap(True)
         self.length_note.setAccessibleName("Answer length note")
@@ -207,6 +208,8 @@ class SweepView(QWidget):
         options.addWidget(self.both_splits, 2, 2, 1, 2)
         options.addWidget(QLabel("Repeats"), 3, 0)
         options.addWidget(self.repeats, 3, 1)
+        options.addWidget(QLabel("Reasoning"), 3, 2)
+        options.addWidget(self.reasoning, 3, 3)
         save = QHBoxLayout()
         save.addWidget(self.name, 1)
         save.addWidget(self.save_button)
@@ -269,7 +272,7 @@ class SweepView(QWidget):
     def run(self) -> None:
         job = SweepJob(self.points.value(), scenario_names(self.scenario.currentText()), self.max_tokens.value(),
                        self.history_path, both_splits=self.both_splits.isChecked(), repeats=self.repeats.value(),
-                       **self.answers.job_settings())
+                       reasoning=self.reasoning.currentData(), **self.answers.job_settings())
         self.bar.start(f"Sweeping {job.points} budgets…")
         self.jobRequested.emit(KIND, job)
 

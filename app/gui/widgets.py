@@ -452,3 +452,34 @@ class AnswersChoice(QComboBox):
         """The records job's `answers` and `chat_options`."""
         choice = self.currentData()
         return {"answers": choice, "chat_options": self.chat_options() if choice == CHAT_SAMPLING else None}
+
+
+class ReasoningChoice(QComboBox):
+    """The chat template's reasoning setting (gpt-oss's effort, Qwen3's thinking) the answers take, as the command
+    line's --reasoning takes it: "model default" (None) leaves it to the template. It offers the loaded model's values
+    (set_choices); one chosen is kept while a model without it is loaded, and chosen again for one that takes it."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setAccessibleName("Reasoning")
+        self.setToolTip("What the model's chat template takes for reasoning: gpt-oss's effort (low, medium, high), "
+                        "Qwen3's thinking (on, off); 'model default' leaves it to the template")
+        self._wanted: str | None = None  # the setting kept while a model without one is loaded
+        self.set_choices([])
+        self.activated.connect(lambda _index: self.choose(self.currentData()))
+
+    def set_choices(self, choices: list[str]) -> None:
+        """The loaded model's reasoning values (engine/reasoning.py), none for a template without the setting."""
+        self.blockSignals(True)
+        self.clear()
+        self.addItem("model default" if choices else "none in this model", None)
+        for choice in choices:
+            self.addItem(choice, choice)
+        self.setEnabled(bool(choices))
+        self.blockSignals(False)
+        self.choose(self._wanted)
+
+    def choose(self, reasoning: str | None) -> None:
+        """The user's setting (None: the template's default), shown where the loaded model takes it."""
+        self._wanted = reasoning
+        self.setCurrentIndex(max(0, self.findData(reasoning)))

@@ -63,15 +63,15 @@ def scenario_turns(name: str, tokenizer, config, max_new_tokens: int, reasoning:
     raise ValueError(f"unknown scenario '{name}' (known: {', '.join(SCENARIOS)})")
 
 
-def scenario_answer_tokens(model: LoadedModel, name: str) -> int:
+def scenario_answer_tokens(model: LoadedModel, name: str, reasoning: str | None = None) -> int:
     """A scenario's answer length where the user sets none: the model's (LoadedModel.answer_tokens: SCENARIO_TOKENS
     for one that answers at once); the long scenario's within what the model's sequences (the context, or
-    search.max_length below it) leave after its input, rendered as the records that take this length render it (the
-    template's own reasoning default), but not below SCENARIO_TOKENS (scenario_turns refuses sequences too short for
-    that)."""
+    search.max_length below it) leave after its input, rendered as the runs that take this length render it (with
+    their reasoning setting, `reasoning`: None is the template's own default), but not below SCENARIO_TOKENS
+    (scenario_turns refuses sequences too short for that)."""
     tokens = model.answer_tokens(SCENARIO_TOKENS)
     if name == "long":
-        _prompt, prompt_tokens = _long_prompt(model.tokenizer, None)
+        _prompt, prompt_tokens = _long_prompt(model.tokenizer, reasoning)
         return min(tokens, max(SCENARIO_TOKENS, model.config.longest_sequence - prompt_tokens))
     return tokens
 

@@ -480,7 +480,9 @@ def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, 
         return None
     try:
         length = min(WARM_UP_TOKENS, params.max_new_tokens)  # the model's warm-up answer's, or the sweep's if shorter
-        warm_up = run_scenario(model, "short", GenerationParams(max_new_tokens=length), device, cancel=cancel)
+        # rendered as the point's runs render their prompts: another reasoning setting is another prompt
+        warm_up = run_scenario(model, "short", GenerationParams(max_new_tokens=length, reasoning=params.reasoning),
+                               device, cancel=cancel)
     except Exception as exc:
         exc.sweep_run = WARM_UP_RUN  # (a short one, whatever the scenarios)
         raise
