@@ -1070,7 +1070,7 @@ def _cmd_sweep(args) -> int:
     scenarios, skipped = fitting_scenarios(model, _scenarios(args.scenario), args.max_new_tokens, args.reasoning)
     if skipped:
         print(f"sweep: {skipped}", file=sys.stderr, flush=True)
-    note = reasoning_length_note(model.reasoning_answer_tokens, args.max_new_tokens)
+    note = reasoning_length_note(model.reasoning_answer_tokens, args.max_new_tokens, args.reasoning)
     if note:
         print(f"sweep: {note}; --max-new-tokens sets another", file=sys.stderr, flush=True)
     saved_ids, done = [], []  # each point's runs, saved as it completes; the points completed

@@ -532,10 +532,12 @@ def test_record_and_the_sweep_take_a_reasoning_setting_to_their_prompts_and_reco
     history = History(tmp_path / "history.sqlite3")
     window = make_window(qtbot, tmp_path, history_path=tmp_path / "history.sqlite3")
     load(qtbot, window, folder, {"device": {"kind": "simulated", "capacity": 8 << 30}, "entries": {}})
+    assert not window.sweep.length_note.isHidden()  # its 32 tokens stop inside the reasoning of this model
     for view in (window.scenarios, window.sweep):
         assert [view.reasoning.itemText(i) for i in range(view.reasoning.count())] == ["model default", "on", "off"]
         view.reasoning.setCurrentIndex(view.reasoning.findData("off"))
         view.reasoning.activated.emit(view.reasoning.currentIndex())  # as the user's pick
+    assert window.sweep.length_note.isHidden()  # thinking off answers at once: it said they stopped inside a reasoning
     window.scenarios.scenario.setCurrentText("long")  # at the model's own length: what the context leaves
     result = run_job(qtbot, window, window.scenarios)
     assert result is not None and not result.errors, window.error_banner.label.text()
@@ -546,7 +548,9 @@ def test_record_and_the_sweep_take_a_reasoning_setting_to_their_prompts_and_reco
     window.sweep.repeats.setValue(1)
     window.sweep.max_tokens.setValue(2)
     window.sweep.scenario.setCurrentText("short")
-    points = run_job(qtbot, window, window.sweep).points
+    result = run_job(qtbot, window, window.sweep)
+    assert result.length_note == "" and "inside the reasoning" not in window.sweep.bar.status.text()
+    points = result.points
     assert [(r.generation["reasoning"], r.turns[0]["prompt_tokens"]) for p in points for r in p.records] == [
         ("off", _rendered_tokens(tokenizer, short, off))] * 2
     assert len(history.rows(label="sweep")) == 2

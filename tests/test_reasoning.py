@@ -583,7 +583,10 @@ def test_a_sweeps_reasoning_setting_reaches_every_points_prompts_and_records(cop
     history = str(tmp_path / "history.sqlite3")
     status = cli.main(["sweep", str(folder), "--device", "simulated", "--points", "2", "--repeats", "1",
                        "--max-new-tokens", "2", "--history", history, *(["--reasoning", setting] if setting else [])])
-    assert status == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert status == 0, err
+    # thinking off answers at once: the answers do not stop inside a reasoning (it said they did)
+    assert ("inside the reasoning of this model" in err) == (setting is None)
     # each point's warm-up and run (each send renders its prompt, and may render the turn after it)
     assert len(rendered) >= 4 and all(said == variables for said in rendered)
     saved = History(history)

@@ -370,7 +370,8 @@ class SweepJob:
                     raise
                 not_restored = one_line(exc, original.mode)
         return SweepResult(points, planned[0], str(model.folder.folder), original.to_entries(), saved_ids=saved_ids,
-                           length_note=reasoning_length_note(model.reasoning_answer_tokens, params.max_new_tokens),
+                           length_note=reasoning_length_note(model.reasoning_answer_tokens, params.max_new_tokens,
+                                                             params.reasoning),
                            stopped_at=where, failure=failure, left_out=left_out[0], skipped=skipped,
                            held_before=held_before, held_after=model.offload.plan.budget_bytes,
                            layer_split=model.offload.layer_split_mode, decode_path=model.offload.decode_path_mode,

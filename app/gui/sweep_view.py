@@ -227,6 +227,7 @@ class SweepView(QWidget):
         self.bar.cancelRequested.connect(self.cancelRequested)
         self.margin.valueChanged.connect(lambda _v: self._recommend())
         self.max_tokens.valueChanged.connect(lambda _v: self._show_length_note())
+        self.reasoning.currentIndexChanged.connect(lambda _index: self._show_length_note())
         self.repeats.valueChanged.connect(self._show_intro)
         self.save_button.clicked.connect(lambda: self.save())
         self.apply_theme(theme.current())
@@ -265,7 +266,7 @@ class SweepView(QWidget):
             self.summary.setText(intro_text(repeats))
 
     def _show_length_note(self) -> None:
-        note = reasoning_length_note(self.model_tokens, self.max_tokens.value())
+        note = reasoning_length_note(self.model_tokens, self.max_tokens.value(), self.reasoning.currentData())
         self.length_note.setText(sentence(note))
         self.length_note.setVisible(bool(note))
 

@@ -248,12 +248,14 @@ def fitting_scenarios(model: LoadedModel, scenarios: list[str], max_new_tokens: 
     return fits, "; ".join(f"skipped {name}: {reason}" for name, reason in skipped)
 
 
-def reasoning_length_note(own: int | None, max_new_tokens: int) -> str:
+def reasoning_length_note(own: int | None, max_new_tokens: int, reasoning: str | None = None) -> str:
     """What to say where a sweep's answer length stops a model that reasons first inside its reasoning (`own`: its
-    LoadedModel.reasoning_answer_tokens, None for a model that answers at once). A sweep keeps the length it is given
-    for every model: it times the same work at each budget, and reasoning decodes as an answer does, while a reasoning
-    model's own length, thousands of tokens a run at every point and scenario, could make a sweep hours long."""
-    if own is None or max_new_tokens >= own:
+    LoadedModel.reasoning_answer_tokens, None for a model that answers at once; `reasoning`: the answers' setting, under
+    which Qwen3's thinking "off" answers at once, after the empty think block its template writes). A sweep keeps the
+    length it is given for every model: it times the same work at each budget, and reasoning decodes as an answer does,
+    while a reasoning model's own length, thousands of tokens a run at every point and scenario, could make a sweep
+    hours long."""
+    if own is None or max_new_tokens >= own or reasoning == "off":
         return ""
     return (f"answers stop after {max_new_tokens} tokens, inside the reasoning of this model, which reasons first: a "
             f"sweep times the same work at each budget, and reasoning decodes as an answer does (the model's own "
