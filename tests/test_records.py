@@ -1869,3 +1869,24 @@ def test_side_by_side_of_two_tokenizers_compares_the_answers_text_not_their_toke
     from app.gui.side_by_side_view import token_at
     assert token_at(len("Think.Hel"), ["Th", "ink.", "", ""], ["", "", "Hel", "lo"]) == 3
     assert token_at(20, ["Th"], ["", "x"][:1]) == 1 and token_at(None, [], []) is None
+
+
+def test_a_sweep_points_runs_all_follow_the_trials_it_settled_for_and_none_after(monkeypatch):
+    """A point settled until the engine's first trials at its budget were over, then ran its scenarios; but a trial
+    measures again `recheck` decode steps after the last (512 by default, fewer than a point's three repeats of every
+    scenario decode), so a later trial's windows of the other ways, and any switch it made, fell in some of the point's
+    runs and not others: its times mixed ways, and the table said the first run's. The trials are held while the point
+    answers: every run of a point follows the same finished trials."""
+    import engine.offload.engine as offload_engine
+    from engine.offload.layer_split import LayerSplitTrials
+
+    monkeypatch.setattr(offload_engine, "LayerSplitTrials",
+                        lambda: LayerSplitTrials(first=1, settle=1, window=2, recheck=4))  # a recheck in 4 steps
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    model.offload.set_layer_split("auto")  # (the suite fixes the spread: MOE_LAYER_SPLIT)
+    points = run_sweep(model, device, 3, ["short"], GenerationParams(max_new_tokens=6), repeats=3)
+    middle = points[1]  # half the budget: some layers whole, the split to choose
+    assert middle.settle_steps > 0
+    splits = [record.offload["layer_split"] for record in middle.records]
+    assert [(split["trials"], split["measuring"]) for split in splits] == [(1, None)] * 3

@@ -497,6 +497,14 @@ class OffloadEngine(DenseLanding):
         return any(trials.measuring for trials in (self.path_trials, self.split_trials, self.share_trials,
                                                     self.row_trials))
 
+    def hold_trials(self, steps: int) -> None:
+        """No trial starts for at least `steps` decode steps (one under way is not cut): a sweep point's answers, after
+        the first trials at its budget, run on the ways those chose, where a later trial's windows of the other ways
+        would fall in some of its runs and not others. A re-plan starts the trials afresh."""
+        for trials in (self.split_trials, self.path_trials, self.share_trials, self.row_trials):
+            if not trials.measuring:
+                trials.hold(steps)
+
     def pending_words(self) -> str:
         """What trials_pending waits for, as the end of 'decoding until ...' (the window's progress while a sweep point
         or a side-by-side comparison settles)."""

@@ -7,9 +7,10 @@ fixed for the point.
 After each re-plan the engine tries its ways (the decode path, the CPU's share under "both", the layer split:
 trials.py) for up to ~200 decode steps, more than a sweep's answers give: a point's answers would time the ways tried,
 not the one kept. So each point first decodes, unrecorded, until those trials are over (`settle`), and its answers
-then run as a user's do at that budget once the engine has chosen. (Holding the path in force at the sweep's start
-instead ran every point on the CPU path where the model was loaded with every expert resident: on the H100 machine
-a 4-layer gpt-oss-20b-shaped model decoded 50 tok/s at 25-75% resident against 118 all-CPU.)"""
+then run as a user's do at that budget once the engine has chosen, the trials' next measurement held until they end.
+(Holding the path in force at the sweep's start instead ran every point on the CPU path where the model was loaded
+with every expert resident: on the H100 machine a 4-layer gpt-oss-20b-shaped model decoded 50 tok/s at 25-75%
+resident against 118 all-CPU.)"""
 
 from __future__ import annotations
 
@@ -480,6 +481,11 @@ def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, 
     point = SweepPoint(budget, fraction, split=split, settle_steps=settle(model, cancel), repeats=repeats)
     if cancel is not None and cancel.is_set():
         return None
+    # the trials measure again some hundred decode steps after the last (trials.py: recheck), fewer than the point's
+    # answers may decode: held for them all (and its warm-up's), every run of the point follows the same trials
+    turns = sum(len(scenario_turns(name, model.tokenizer, model.config, params.max_new_tokens, params.reasoning))
+                for name in scenarios)
+    model.offload.hold_trials(WARM_UP_TOKENS + repeats * turns * params.max_new_tokens)
     try:
         length = min(WARM_UP_TOKENS, params.max_new_tokens)  # the model's warm-up answer's, or the sweep's if shorter
         # rendered as the point's runs render their prompts: another reasoning setting is another prompt
