@@ -2981,6 +2981,35 @@ def test_the_record_and_sweep_answer_choices_outlive_the_window(qtbot, tmp_path)
     assert (again.scenarios.answers.currentData(), again.sweep.answers.currentData()) == ("chat", "model")
 
 
+def test_the_record_and_sweep_reasoning_settings_outlive_the_window_as_their_other_settings_do(qtbot, tmp_path):
+    """Record's and the sweep's Reasoning went back to the template's default when the window reopened, where their
+    Tokens, Answers and Repeats (and the chat's Reasoning) were kept: a sweep run again after a restart rendered its
+    answers otherwise than the last without a word. It is kept, the user's value whether or not the loaded model
+    takes it; one Qt cannot read as a word is said and the default used."""
+    win = make_window(qtbot, tmp_path, nvml=False)
+    assert win.scenarios.reasoning.chosen is win.sweep.reasoning.chosen is None
+    win.scenarios.reasoning.choose("off")
+    win.sweep.reasoning.choose("high")
+    win.close()
+    again = make_window(qtbot, tmp_path, nvml=False)
+    assert (again.scenarios.reasoning.chosen, again.sweep.reasoning.chosen) == ("off", "high")
+    again.sweep.reasoning.set_choices(["low", "medium", "high"])  # a gpt-oss model loads
+    assert again.sweep.reasoning.currentData() == "high"
+    again.sweep.reasoning.choose(None)
+    again.close()
+    ini = str(tmp_path / "settings.ini")
+    settings = QSettings(ini, QSettings.Format.IniFormat)
+    assert settings.value("sweep/reasoning") == ""  # the template's default
+    settings.setValue("record/reasoning", ["on", "off"])  # on,off in the file: Qt reads a list
+    settings.sync()
+    third = make_window(qtbot, tmp_path, nvml=False)
+    assert third.scenarios.reasoning.chosen is third.sweep.reasoning.chosen is None
+    assert third.settings_banner.text() == (
+        f"{ini}: the reasoning setting kept under record/reasoning cannot be used (on,off is not a text: in the "
+        "file, one with a comma needs quotes): the template's default is used; what was kept is now under "
+        "record/reasoning.bad there")
+
+
 def test_an_unsupported_model_shown_cannot_be_loaded_by_the_menu_either_and_the_loaded_one_stays(qtbot, window,
                                                                                                   copy_fixture):
     """Load (the button) is off for a model whose expert nodes the kernels cannot run, but Model > Load (Ctrl+L)

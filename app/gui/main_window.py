@@ -239,6 +239,8 @@ class MainWindow(QMainWindow):
         self.answer_choices = {"record": self.scenarios.answers, "sweep": self.sweep.answers}
         for choice in self.answer_choices.values():  # they may sample as the chat's settings say
             choice.chat_options = self.chat.options
+        # their reasoning settings, kept beside them as the chat's options keep its own
+        self.reasoning_choices = {"record": self.scenarios.reasoning, "sweep": self.sweep.reasoning}
         self.job_views = {"recording": self.scenarios, "sweeping": self.sweep, "comparing": self.side_by_side,
                           "contention": self.contention_view}
         # the answer lengths kept in the settings beside the chat's (its options hold its own)
@@ -519,6 +521,13 @@ class MainWindow(QMainWindow):
                 known = ", ".join(str(choice.itemData(i)) for i in range(choice.count()))
                 self._refuse_kept(f"{key}/answers", "answers choice", f"{as_kept(answers)} is not one of {known}",
                                   f"{choice.currentData()} is used")
+        for key, choice in self.reasoning_choices.items():
+            reasoning = s.value(f"{key}/reasoning")
+            if reasoning is not None and not isinstance(reasoning, str):  # (a value of ours is one word)
+                self._refuse_kept(f"{key}/reasoning", "reasoning setting", not_a_text(as_kept(reasoning)),
+                                  "the template's default is used")
+                continue
+            choice.choose(reasoning or None)
         try:
             self.sweep.repeats.setValue(saved_repeats(s.value("sweep/repeats")))
         except ValueError as exc:
@@ -530,7 +539,8 @@ class MainWindow(QMainWindow):
         setting edited by hand under one would otherwise be passed over without a word."""
         known = ["window/geometry", "window/state", "view/theme", "chat/options", "chat/system_prompt", "recent",
                  *(f"{key}/max_new_tokens" for key in self.answer_lengths),
-                 *(f"{key}/answers" for key in self.answer_choices), "sweep/repeats"]
+                 *(f"{key}/answers" for key in self.answer_choices),
+                 *(f"{key}/reasoning" for key in self.reasoning_choices), "sweep/repeats"]
         # the file's own keys: with fallbacks Qt lists those of the organisation's and the system's files too (and on
         # macOS the global domain's), which are neither the user's to fix nor in this file
         fallbacks = self.settings.fallbacksEnabled()
@@ -562,6 +572,8 @@ class MainWindow(QMainWindow):
             s.setValue(f"{key}/max_new_tokens", json.dumps(box.chosen))  # null: the model's own
         for key, choice in self.answer_choices.items():
             s.setValue(f"{key}/answers", choice.currentData())
+        for key, choice in self.reasoning_choices.items():
+            s.setValue(f"{key}/reasoning", choice.chosen or "")  # "": the template's default
         s.setValue("sweep/repeats", self.sweep.repeats.value())
         s.sync()
 

@@ -483,3 +483,8 @@ class ReasoningChoice(QComboBox):
         """The user's setting (None: the template's default), shown where the loaded model takes it."""
         self._wanted = reasoning
         self.setCurrentIndex(max(0, self.findData(reasoning)))
+
+    @property
+    def chosen(self) -> str | None:
+        """The user's setting, which the settings keep, whether or not the loaded model takes it."""
+        return self._wanted
