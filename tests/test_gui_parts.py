@@ -1101,9 +1101,9 @@ def test_where_the_driver_hides_whose_vram_is_whose_this_process_is_not_said_to_
     monkeypatch.setattr(nvml, "pynvml", FakeNvml([(os.getpid(), 0)], hide_per_process=True))
     graphs = _graphs_after_one_sample(qtbot, nvml.Nvml().sample(), "")  # (kept: its labels go with it)
     header = graphs.vram_plot.header.text()
-    assert "this process 0.00" not in header
-    assert "in use 30.00 (this process's and others': the driver does not say whose)" in header
-    assert "free 50.0 of 80.0 GiB" in header
+    assert "this process 0 B" not in header
+    assert "in use 30.0 GiB (this process's and others': the driver does not say whose)" in header
+    assert "free 50.0 GiB of 80.0 GiB" in header
 
 
 def test_the_vram_graph_says_the_drivers_own_memory_apart_from_other_processes(qtbot, monkeypatch):
@@ -1115,8 +1115,23 @@ def test_the_vram_graph_says_the_drivers_own_memory_apart_from_other_processes(q
     monkeypatch.setattr(nvml, "pynvml", DriverReserves([(os.getpid(), 5 << 30), (os.getppid(), 256 << 20)], 768 << 20))
     graphs = _graphs_after_one_sample(qtbot, nvml.Nvml().sample(), "")  # (kept: its labels go with it)
     header = graphs.vram_plot.header.text()
-    assert "this process 5.00" in header and "other processes 0.25, driver and display 0.75" in header
-    assert "others 1.00" not in header
+    assert "this process 5.0 GiB" in header and "other processes 256.0 MiB, driver and display 768.0 MiB" in header
+    assert "others 1.0" not in header
+
+
+def test_the_vram_graph_says_each_figure_in_one_format_with_its_unit(qtbot, monkeypatch):
+    """The VRAM header said what is held with two decimals and no unit, free and the total with one and only the total
+    with its unit ('this process 5.00 · other processes 0.25, driver and display 0.75 · free 2.0 of 8.0 GiB'), where
+    the host memory header beside it says each figure in human_bytes: the VRAM header does too, and a model that holds
+    less than a GiB reads in MiB, not as 0.05."""
+    import engine.nvml as nvml
+    from tests.test_nvml import DriverReserves
+
+    monkeypatch.setattr(nvml, "pynvml", DriverReserves([(os.getpid(), 50 << 20), (os.getppid(), 1 << 30)], 3 << 30))
+    graphs = _graphs_after_one_sample(qtbot, nvml.Nvml().sample(), "")  # (kept: its labels go with it)
+    header = graphs.vram_plot.header.text()
+    assert "this process 50.0 MiB" in header and "other processes 1.0 GiB, driver and display 3.0 GiB" in header
+    assert "free 4.0 GiB of 8.0 GiB" in header
 
 
 def test_the_host_memory_graph_says_its_others_hold_the_kernels_own_memory(qtbot):

@@ -356,15 +356,15 @@ class GraphsPanel(QWidget):
             self.vram_plot.setYRange(0, max(total.max(), 0.1) * 1.02, padding=0)
             if gpu.get("per_process", True):  # (the driver's own reservations are no process's: said apart)
                 listed = min(gpu["others"], gpu.get("listed", 0))
-                held = [(t.accent, f"this process {gpu['this'] / GIB:.2f}"),
-                        (t.others, f"other processes {listed / GIB:.2f}, driver and display "
-                                   f"{(gpu['others'] - listed) / GIB:.2f}")]
+                held = [(t.accent, f"this process {human_bytes(gpu['this'])}"),
+                        (t.others, f"other processes {human_bytes(listed)}, driver and display "
+                                   f"{human_bytes(gpu['others'] - listed)}")]
             else:  # (this process's share unknown: 0 is not its figure)
-                held = [(t.others, f"in use {gpu['used'] / GIB:.2f} (this process's and others': the driver does not "
-                                   "say whose)")]
+                held = [(t.others, f"in use {human_bytes(gpu['used'])} (this process's and others': the driver does "
+                                   "not say whose)")]
             self.vram_plot.header.setText(
                 _title(f"VRAM — {gpu.get('name', 'GPU')}",
-                       held + [(t.muted, f"free {gpu['free'] / GIB:.1f} of {gpu['total'] / GIB:.1f} GiB")], t))
+                       held + [(t.muted, f"free {human_bytes(gpu['free'])} of {human_bytes(gpu['total'])}")], t))
             util = np.array([g.get("util") or 0.0 for g in gs], dtype=float)
             self.curves["gpu_util"].setData(x, util)
             self.util_plot.header.setText(_title("GPU utilisation", [(t.accent, f"{util[-1]:.0f}%")], t))
