@@ -1446,6 +1446,26 @@ def test_the_pinned_slider_reaches_the_automatic_ring_of_a_tiny_model(qtbot, win
     assert budget.pinned_bytes.value() == auto_ring
 
 
+def test_the_pinned_slider_reaches_the_automatic_ring_with_a_value_set(qtbot, window):
+    """The far end was raised to the automatic ring only while Pinned was on auto: a model opened with a value kept
+    in its budgets (3 experts' ring) had the slider end at the stored experts' bytes, short of the ring auto takes,
+    which the value could then not be slid back to. The far end is the automatic ring either way."""
+    path = fixture_folder("gptoss")
+    window.save_model_settings(str(path), {"device": {"kind": "simulated", "capacity": 8 << 30},
+                                           "entries": {"device_expert_bytes": str(3 * slot()),
+                                                       "pinned_bytes": str(3 * staged())}})
+    window.open_model(str(path))
+    qtbot.waitUntil(lambda: window.facts is not None and not window.busy, timeout=WAIT)
+    budget = window.budget_panel
+    assert budget.config().pinned_bytes == 3 * staged() and "3 of 16" in budget.layer_text.text()
+    auto_ring = budget.last_estimate.staging.auto_pinned_bytes
+    assert auto_ring == 2 * 8 * staged() > window.facts.expert_bytes
+    budget.pinned_bytes.slider.setValue(budget.pinned_bytes.STEPS)
+    assert budget.pinned_bytes.value() == auto_ring
+    qtbot.waitUntil(lambda: budget.last_estimate.staging.pinned_bytes == auto_ring)
+    assert budget.last_estimate.staging.wave_experts == 8  # the wave auto gives: two waves fill the ring
+
+
 def test_a_pinned_ring_below_one_expert_is_refused_with_the_engines_message(qtbot, window):
     from engine.offload.config import OffloadConfig
     from engine.offload.planner import OffloadPlanError

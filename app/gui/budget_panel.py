@@ -68,7 +68,7 @@ OTHER_TIP = ("Settings in force that no control here sets: from the settings fil
 STALE_GPU_SAMPLES = 3  # telemetry samples (one a second) NVML may miss before its last reading is said to be stale
 PINNED_TIP = ("pinned_bytes: the page-locked host ring every copy to the device goes through. auto = two prefill "
               "waves; a value bounds the ring and the prefill wave (ring // (2 x expert), at least 1); "
-              "below one expert it is refused")
+              "below one expert it is refused. The slider reaches all the experts, or auto's ring where that is more")
 
 
 def cuda_status() -> str:
@@ -446,7 +446,8 @@ class BudgetPanel(QWidget):
         # the expert budget's far end holds every expert in device slots (the GPU kernels' layout, larger
         # than the stored experts); the host cache holds stored experts. The pinned ring holds waves of experts as
         # staged, not the stored experts: its far end is raised to the automatic ring once an estimate gives it
-        # (_show_pinned), which a tiny model's two prefill waves make more than all its experts.
+        # (_show_pinned), with Pinned on auto or a value, which a tiny model's two prefill waves make more than all
+        # its experts.
         self.expert_bytes.setMaximum(max(1, all_resident_bytes(facts.experts), facts.expert_bytes))
         for control in (self.host_bytes, self.pinned_bytes):
             control.setMaximum(max(1, facts.expert_bytes))
@@ -659,8 +660,8 @@ class BudgetPanel(QWidget):
             text = f"<span style='color:{t.muted}'>No ring: offload is disabled.</span>"
         elif est.staging is not None:
             st = est.staging
-            if config.pinned_bytes is None:  # leaving auto starts from this ring: the slider reaches it
-                self.pinned_bytes.setMaximum(max(1, self.facts.expert_bytes, st.pinned_bytes))
+            # leaving auto starts from auto's ring, and a value set can go back to it: the slider reaches it
+            self.pinned_bytes.setMaximum(max(1, self.facts.expert_bytes, st.auto_pinned_bytes))
             how = "auto: two prefill waves" if config.pinned_bytes is None else "this value bounds the wave"
             text = (f"Ring <b>{human_bytes(st.pinned_bytes)}</b> = {counted(st.pinned_experts, 'expert')} of "
                     f"{human_bytes(st.staged_expert_bytes)} · prefill waves of <b>{st.wave_experts}</b> ({how})")

@@ -37,6 +37,7 @@ class StagingPlan:
     wave_experts: int         # cold experts streamed to the device per prefill wave
     device_bytes: int         # the device's double-buffered prefill staging ring
     staged_expert_bytes: int  # the largest expert as staged in the pinned ring
+    auto_pinned_bytes: int = 0  # the ring pinned_bytes=auto takes with the other settings as they are
 
     @property
     def pinned_experts(self) -> int:
@@ -79,7 +80,8 @@ def plan_staging(config: OffloadConfig, staged_expert_bytes: int, largest_slot_b
     if wave == 0 and config.cpu_execution == "disabled":
         raise DeviceShort("cpu_execution=disabled needs device room to stage at least one expert "
                                f"({2 * largest_slot_bytes} bytes double-buffered)")
-    return StagingPlan(pinned, wave, 2 * wave * largest_slot_bytes, staged_expert_bytes)
+    return StagingPlan(pinned, wave, 2 * wave * largest_slot_bytes, staged_expert_bytes,
+                       ring_bytes(config.updated(pinned_bytes=None), staged_expert_bytes, most))
 
 
 class PinnedRing:
