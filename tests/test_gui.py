@@ -864,7 +864,8 @@ def test_load_with_progress_then_chat_streams_with_statistics(qtbot, window, mon
     window.worker.loadProgress.connect(progress.append)
     window.worker.busyChanged.connect(busy.append)
     real_warm = engine_worker.warm_model
-    monkeypatch.setattr(engine_worker, "warm_model", lambda model: warmed.append(model.decoder.steps) or real_warm(model))
+    monkeypatch.setattr(engine_worker, "warm_model",
+                        lambda model: warmed.append(model.decoder.steps) or real_warm(model))
     path = fixture_folder("gptoss")
     load(qtbot, window, path, simulated())
     assert same(window.loaded_path, path) and not window.error_banner.isVisible()
@@ -880,7 +881,8 @@ def test_load_with_progress_then_chat_streams_with_statistics(qtbot, window, mon
     assert "Runs (mode <b>auto</b>, simulated GPU" in window.model_panel.verdict.text()
     landed = window.model_panel.landed.text()
     assert "3 expert slots for the 16 experts on the simulated GPU" in landed
-    assert "The dense part runs on the CPU: the GPU is simulated, for the experts only" in landed and "KV cache" in landed
+    assert "The dense part runs on the CPU: the GPU is simulated, for the experts only" in landed
+    assert "KV cache" in landed
     assert threads_sentence(0, cpu_threads()) in landed  # the budget's cpu_threads: automatic
     assert window.status_device.text().endswith("dense part: CPU")
     assert "Load" not in window.model_panel.load_button.text() or window.model_panel.load_button.text() == "Reload"
@@ -1076,10 +1078,10 @@ def test_the_placement_view_and_graphs_forget_a_model_dropped_for_the_next_load(
 
 
 def test_the_placement_view_says_static_placement_is_counting_routing_before_it_places(qtbot, window):
-    """Static placement without a popularity file places nothing until its opening has counted routing (StaticPlacement):
-    the view said '0 slots filled, 0 swaps' beside slots holding copied misses, as if that were its placement, and
-    where everything landed said 'Experts resident per layer: 3 of 8' with none resident. Both say how many more tokens
-    it counts first, and once it has chosen, nothing of the opening."""
+    """Static placement without a popularity file places nothing until its opening has counted routing
+    (StaticPlacement): the view said '0 slots filled, 0 swaps' beside slots holding copied misses, as if that were its
+    placement, and where everything landed said 'Experts resident per layer: 3 of 8' with none resident. Both say how
+    many more tokens it counts first, and once it has chosen, nothing of the opening."""
     from app.gui.placement_view import static_text
 
     settings = simulated()
@@ -2832,8 +2834,8 @@ def test_the_copies_line_says_their_later_hits():
     # of 60 GB/s + 6.25 µs, which nobody measured nor priced
     assert copies_text({"cpu_bytes_per_s": 40e9, "cpu_measured_bytes_per_s": 60e9, "cpu_call_s": 6.25e-6,
                         "cpu_measured_call_s": 100e-6}) == (
-        "CPU misses priced at 40.0 GB/s + 6.25 µs a call (measured 60.0 GB/s + 100 µs a call, its rate clamped to the "
-        "host's streaming read)")
+        "CPU misses priced at 40.0 GB/s + 6.25 µs a call (measured 60.0 GB/s + 100 µs a call, its rate clamped to "
+        "the host's streaming read)")
     assert copies_text({"cpu_bytes_per_s": 25e9, "cpu_measured_bytes_per_s": 25e9, "cpu_call_s": 0.0}) == \
         "CPU misses priced at 25.0 GB/s"
     # a rate below 0.05 GB/s (tiny experts, a busy CPU: each call's fixed cost) read "0.0 GB/s", as if free
@@ -2950,8 +2952,8 @@ def test_the_layer_split_chosen_in_the_budget_panel_plans_whole_layers_and_appli
     budget.apply_button.click()
     qtbot.waitUntil(lambda: engine.decode_path_mode == "tier" and not window.busy and not budget.dirty(), timeout=WAIT)
     assert window.model_settings(str(path))["decode_path"] == "tier"
-    qtbot.waitUntil(lambda: "decode reads cold experts on the GPU from a host tier of" in window.model_panel.landed.text(),
-                    timeout=WAIT)
+    qtbot.waitUntil(lambda: "decode reads cold experts on the GPU from a host tier of"
+                    in window.model_panel.landed.text(), timeout=WAIT)
     assert engine.decode_path_in_force == "tier" and engine.host_tier
     qtbot.waitUntil(lambda: "Layer split fixed: spread over every layer." in window.model_panel.landed.text(),
                     timeout=WAIT)
@@ -3079,9 +3081,9 @@ def test_once_the_loaded_model_is_gone_the_title_no_longer_says_it_is_loaded(qtb
     monkeypatch.setattr(engine_worker, "LoadedModel", out_of_memory)
     window.load()
     qtbot.waitUntil(lambda: not window.busy and window.error_banner.isVisible(), timeout=WAIT)
-    assert window.loaded_path is None and window.last_error == (f"Could not load {shown}: MemoryError: out of host "
-                                                                "memory; gptoss was unloaded first, to free its memory, "
-                                                                "and is no longer loaded")
+    assert window.loaded_path is None
+    assert window.last_error == (f"Could not load {shown}: MemoryError: out of host memory; gptoss was unloaded first, "
+                                 "to free its memory, and is no longer loaded")
     assert window.windowTitle() == "lfm2moe — MoE Workbench"
     assert window.model_panel.load_button.isEnabled() and window.model_panel.load_button.text() == "Load"
     assert not window.model_panel.unload_button.isEnabled() and window.model_panel.landed.text() == "Not loaded."
@@ -3305,7 +3307,8 @@ def test_the_gpu_kernels_compiling_for_a_side_by_side_b_is_said_in_the_status_ba
     """A side-by-side comparison loads B on the CUDA GPU itself: the first there in the process compiles the kernels,
     whose report the status bar showed only under "loading", so the comparison stood at "loading the right side" for
     1-2 minutes without a word. A note still shown as the activity ends (a load whose compile failed, a comparison)
-    stayed up after it, over an idle window. As the worker reports them (its own thread's signals, here the window's)."""
+    stayed up after it, over an idle window. As the worker reports them (its own thread's signals, here the
+    window's)."""
     compiling = "Compiling the GPU expert kernels for sm_90 (...)."
     for activity in ("comparing", "loading"):
         window.worker.busyChanged.emit(activity)
@@ -3528,7 +3531,8 @@ def test_a_load_of_a_folder_broken_since_it_was_opened_keeps_the_loaded_model_an
     qtbot.waitUntil(lambda: not window.busy and window.error_banner.isVisible(), timeout=WAIT)
     assert window.last_error == (f"Could not load {shown}: {shown / 'model.onnx.data'}: missing (external data of "
                                  "initializer 'model.layers.0.operator_layernorm.weight'); gptoss stays loaded")
-    assert same(window.loaded_path, loaded) and window.windowTitle() == "lfm2moe (not loaded; gptoss is) — MoE Workbench"
+    assert same(window.loaded_path, loaded)
+    assert window.windowTitle() == "lfm2moe (not loaded; gptoss is) — MoE Workbench"
     assert [m["role"] for m in window.worker._conversation.messages] == ["user", "assistant"]
     assert ask(qtbot, window, "Again", 4)["result"]["finish_reason"] == "length"
     assert len(window.worker._conversation.messages) == 4 and len(window.chat.entries) == 4

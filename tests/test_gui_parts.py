@@ -128,12 +128,14 @@ def test_estimate_puts_the_dense_part_where_the_engine_would(gptoss, monkeypatch
 
     config = OffloadConfig(device_expert_bytes=0)
     card = DeviceChoice("cuda", 1 << 30, name="test card")
-    monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: "onnxruntime here is the CPU build (`make install` ...)")
+    monkeypatch.setattr(ort_env, "cuda_ep_missing_reason",
+                        lambda: "onnxruntime here is the CPU build (`make install` ...)")
     cpu_build = estimate(gptoss, config, card)
     assert {p.key: p.bytes for p in cpu_build.device_parts}["dense"] == 0
     assert "The dense part would run on the CPU: onnxruntime here is the CPU build" in " ".join(cpu_build.statements)
     monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: None)  # as with onnxruntime-gpu
-    fp32_kv = estimate(gptoss, config, card)  # the fixtures' KV caches are fp32: GroupQueryAttention on CUDA is fp16/bf16
+    # the fixtures' KV caches are fp32: GroupQueryAttention on CUDA is fp16/bf16
+    fp32_kv = estimate(gptoss, config, card)
     assert gptoss.kv_dtypes == frozenset({np.dtype(np.float32)})
     assert "KV cache is fp32" in " ".join(fp32_kv.statements)
     fp16 = dataclasses.replace(gptoss, kv_dtypes=frozenset({np.dtype(np.float16)}))
@@ -390,7 +392,8 @@ def engine_on(name: str, config: OffloadConfig, choice: DeviceChoice, decode_pat
     from engine.offload import SimulatedDevice
 
     device = SimulatedDevice(choice.capacity, mem_limit=config.gpu_device_mem_limit, name=choice.label)
-    return LoadedModel.open(fixture_folder(name), offload=config, device=device, decode_path=decode_path).offload, device
+    model = LoadedModel.open(fixture_folder(name), offload=config, device=device, decode_path=decode_path)
+    return model.offload, device
 
 
 @pytest.mark.parametrize("name", ["gptoss", "lfm2moe", "qwen35moe"])
@@ -419,7 +422,8 @@ def test_estimate_follows_the_engine_for_pinned_bytes(name):
         if pinned is None:
             assert est.staging.pinned_bytes == 2 * 4 * per and est.staging.wave_experts == 4
         else:  # an explicit ring bounds the wave: pinned // (2 x expert), at least one
-            assert est.staging.pinned_bytes == pinned and est.staging.wave_experts == min(4, max(1, pinned // (2 * per)))
+            assert est.staging.pinned_bytes == pinned
+            assert est.staging.wave_experts == min(4, max(1, pinned // (2 * per)))
     assert waves == {1, 2, 4}
 
     # below one expert: the engine refuses, and the estimate says the engine's own words
@@ -1233,7 +1237,8 @@ def device_parts_held(device) -> dict[str, int]:
 
 def estimated_device_parts(est) -> dict[str, int]:
     parts = {p.key: p.bytes for p in est.device_parts}
-    assert parts["dense"] == parts["kv"] == parts["others"] == 0  # the dense part stays on the CPU beside a simulated GPU
+    # the dense part stays on the CPU beside a simulated GPU
+    assert parts["dense"] == parts["kv"] == parts["others"] == 0
     return {"experts": parts["experts"], "workspace": parts["workspace"]}
 
 
@@ -1536,7 +1541,8 @@ def test_the_divergence_sentence_tells_a_near_tie_from_a_clear_difference():
     assert tie.startswith("The answers diverge at generated token 5 (index 4), highlighted in both columns. There A "
                           "preferred its token to B's by 0.068 in log-probability, and B its own to A's by 0.050: near "
                           "ties")
-    assert "clearly different" in divergence_text(0, (0.41, 0.72)) and "near ties" not in divergence_text(0, (0.41, 0.05))
+    assert "clearly different" in divergence_text(0, (0.41, 0.72))
+    assert "near ties" not in divergence_text(0, (0.41, 0.05))
     assert divergence_text(3, None).endswith("highlighted in both columns.")
 
 
@@ -1562,8 +1568,8 @@ def test_side_by_side_compares_the_two_sides_speed_and_says_which_routing_each_u
 
     def record(first_token_s, rate, scenario="side-by-side", agreement=None):
         timings = {"time_to_first_token_s": first_token_s, "decode_tokens_per_s": rate}
-        return SimpleNamespace(turns=[{"timings": timings}], scenario=scenario, approximate_routing=agreement is not None,
-                               routing_agreement=agreement, timings={})
+        return SimpleNamespace(turns=[{"timings": timings}], scenario=scenario,
+                               approximate_routing=agreement is not None, routing_agreement=agreement, timings={})
 
     assert speed_text(record(0.012, 40.0), record(0.0034, 50.0)) == (
         "B gave its first token in 3.40 ms, A in 12.0 ms; B decoded at 1.25× A's rate (50.0 against 40.0 tok/s).")
@@ -1832,7 +1838,8 @@ def test_a_saved_configuration_of_this_model_fills_the_budgets(qtbot, gptoss, tm
     path.write_text(json.dumps(edited))
     panel.saved_menu.aboutToShow.emit()
     assert [(a.text(), a.isEnabled()) for a in panel.saved_menu.actions()] == [
-        ("hand-edited: not usable, session.moe.offload.mode='sometimes': expected one of disabled, auto, required", False),
+        ("hand-edited: not usable, session.moe.offload.mode='sometimes': expected one of disabled, auto, required",
+         False),
         ("tight", True)]
     empty = BudgetPanel(configurations_path=tmp_path / "none.json")
     qtbot.addWidget(empty)
@@ -2396,7 +2403,8 @@ def test_a_model_without_expert_nodes_says_onnxruntime_runs_all_of_it(qapp, copy
     panel = ModelPanel()
     panel.show_facts(model_facts(opened, report))
     panel.show_estimate(estimate(panel.facts, OffloadConfig(), DeviceChoice()), "auto", "CPU only")
-    assert "Runs (mode <b>auto</b>, CPU only): no expert nodes: onnxruntime runs the whole model." in panel.verdict.text()
+    assert ("Runs (mode <b>auto</b>, CPU only): no expert nodes: onnxruntime runs the whole model."
+            in panel.verdict.text())
 
 
 def test_the_sweep_plots_svg_draws_its_axes_at_the_scale_of_its_points(qtbot, tmp_path):
@@ -2529,8 +2537,9 @@ def test_an_estimate_whose_parts_overfill_the_card_says_so_with_the_numbers(gpto
     assert need == 2845568 > 5 << 19 and parts["free"] == 0 and not est.error
     assert est.statements[-1] == (
         "Together these need 2.7 MiB of the test card, more than the 2.5 MiB it has for this model: the dense part and "
-        "its KV cache at 2048 tokens would not fit beside the experts (a larger reserve_device_bytes or a smaller device_expert_bytes leaves them room; "
-        "gpu_device_mem_limit makes the load keep the dense part on the CPU where it does not fit).")
+        "its KV cache at 2048 tokens would not fit beside the experts (a larger reserve_device_bytes or a smaller "
+        "device_expert_bytes leaves them room; gpu_device_mem_limit makes the load keep the dense part on the CPU "
+        "where it does not fit).")
     # mode=disabled applies no expert budget (every expert goes beside the dense part): device_expert_bytes not said
     disabled = estimate(gptoss, OffloadConfig(mode="disabled", reserve_device_bytes=0),
                         DeviceChoice("cuda", 2 << 20, name="test card"))
@@ -2615,7 +2624,8 @@ def test_the_budget_panel_promises_the_layer_split_trials_only_where_the_engine_
 
     slot = gptoss.experts[0].device_bytes_per_expert
     panel = BudgetPanel()
-    tries = "While decoding, the engine also tries this budget on whole layers (1 of 2 layers keeping all their experts)"
+    tries = ("While decoding, the engine also tries this budget on whole layers (1 of 2 layers keeping all their "
+             "experts)")
     for path, promised in (("cpu", True), ("tier", False)):
         panel.set_facts(gptoss, {"device": {"kind": "simulated", "capacity": 1 << 30}, "decode_path": path,
                                  "entries": {"device_expert_bytes": str(8 * slot)}})

@@ -145,7 +145,8 @@ def test_history_table_filters_opens_compares_and_exports(qtbot, tmp_path, monke
         view.select_ids([ids[0], ids[2]])
         assert view.compare_button.isEnabled()
         compared = view.compare_selected().text()
-        assert f"run {ids[0]}: short “baseline” · gptoss" in compared and f"run {ids[2]}: short “baseline” · lfm2moe" in compared
+        assert f"run {ids[0]}: short “baseline” · gptoss" in compared
+        assert f"run {ids[2]}: short “baseline” · lfm2moe" in compared
         rss_a, rss_b = records[0].peaks["rss_bytes"], records[2].peaks["rss_bytes"]
         assert "process RSS peak" in compared and f"{rss_b / rss_a:.2f}×" in compared
         assert "session.moe.offload.device_expert_bytes" in compared  # the configurations differ there
@@ -330,7 +331,8 @@ def test_sweep_view_plots_recommends_and_saves_a_configuration(qtbot, window, tm
     view.name.setText("fast enough")
     view.save_button.click()
     folder, config, _own = load_configuration("fast enough", tmp_path / "configurations.json")
-    assert Path(folder).resolve() == fixture_folder("gptoss").resolve() and config.device_expert_bytes == view.recommended.budget_bytes
+    assert Path(folder).resolve() == fixture_folder("gptoss").resolve()
+    assert config.device_expert_bytes == view.recommended.budget_bytes
     # the chat's statistics line on the simulated device states the decode rate projected for the card
     window.chat.max_tokens.setValue(6)
     window.chat.prompt.setPlainText("Hello")
@@ -389,7 +391,8 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
     finish(qtbot, window, view)
     a, b = view.result.comparison.records
     assert b.approximate_routing and not a.approximate_routing and b.routing_agreement is not None
-    assert view.right.values["routing"].text() == f"approximate: {b.routing_agreement:.0%} token agreement with exact routing"
+    assert (view.right.values["routing"].text()
+            == f"approximate: {b.routing_agreement:.0%} token agreement with exact routing")
     assert view.left.values["routing"].text() == "exact"
     view.right_entries.setPlainText("layer_split=layers")
     view.bar.run_button.click()
@@ -463,7 +466,8 @@ def test_side_by_side_says_which_side_waits_answers_or_is_done_as_the_model_stre
     def showing(fraction, text):  # what the window shows at each run line
         on_progress(fraction, text)
         if text.startswith("A "):
-            shown.append((view.bar.status.text(), *(column.values["tokens"].text() for column in (view.left, view.right))))
+            tokens = (column.values["tokens"].text() for column in (view.left, view.right))
+            shown.append((view.bar.status.text(), *tokens))
 
     monkeypatch.setattr(view, "on_progress", showing)
     view.prompt.setPlainText("Compare the two sides")
@@ -495,7 +499,8 @@ def test_side_by_side_says_which_side_waits_answers_or_is_done_as_the_model_stre
     for line, left, right in shown:  # each side's status moves on, never back, and the line says both columns'
         assert line == f"A {left} · B {right}" and left in statuses and right in statuses
     for side in (1, 2):
-        assert [statuses.index(texts[side]) for texts in shown] == sorted(statuses.index(texts[side]) for texts in shown)
+        order = [statuses.index(texts[side]) for texts in shown]
+        assert order == sorted(order)
 
 
 def test_side_by_side_b_starts_with_as_layer_split_and_decode_path_and_follows_apply(qtbot, window):
@@ -1791,8 +1796,8 @@ def test_a_window_sweep_under_mode_required_on_a_small_card_ends_at_what_the_car
     from app.gui.sweep_view import SweepView
 
     device = SimulatedDevice(800_000)  # holds 229 KiB of gptoss's 552 KiB of experts beside its staging ring
-    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(mode="required", device_expert_bytes=2 * EXPERT),
-                             device=device)
+    model = LoadedModel.open(fixture_folder("gptoss"),
+                             offload=OffloadConfig(mode="required", device_expert_bytes=2 * EXPERT), device=device)
     said = []
     result = SweepJob(5, ["short"], 2, history_path=str(tmp_path / "h.sqlite"))(_sweep_context(model, device, said))
     assert [p.budget_bytes for p in result.points][2:] == [234752] and result.requested == 3

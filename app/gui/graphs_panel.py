@@ -391,8 +391,8 @@ class GraphsPanel(QWidget):
             kept.append(marker)
             if not marker["lines"]:
                 for plot in self.plots:
-                    line = pg.InfiniteLine(angle=90, movable=False,
-                                           pen=_pen(colours.get(marker["kind"], t.muted), 1.2, 200, Qt.PenStyle.DashLine))
+                    pen = _pen(colours.get(marker["kind"], t.muted), 1.2, 200, Qt.PenStyle.DashLine)
+                    line = pg.InfiniteLine(angle=90, movable=False, pen=pen)
                     line.setToolTip(marker["text"])
                     plot.addItem(line, ignoreBounds=True)
                     marker["lines"].append((plot, line))
@@ -402,5 +402,6 @@ class GraphsPanel(QWidget):
 
 
 def _title(name: str, parts: list[tuple[str, str]], t: theme.Theme) -> str:
-    body = " &nbsp; ".join(f"<span style='color:{c}'>■</span> <span style='color:{t.text}'>{text}</span>" for c, text in parts)
+    body = " &nbsp; ".join(f"<span style='color:{c}'>■</span> <span style='color:{t.text}'>{text}</span>"
+                           for c, text in parts)
     return f"<span style='color:{t.text}'><b>{name}</b></span> &nbsp; {body}"

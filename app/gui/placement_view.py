@@ -616,10 +616,11 @@ class PlacementView(QWidget):
         self.legend.setToolTip("Misses (routed token-expert pairs whose expert is cold) run on the CPU, or are copied "
                                "into a spare device slot and computed there when the cost model says that is faster "
                                "(and in prefill waves), or, with a host tier, are read by the GPU from page-locked "
-                               "host memory (the decode path: Budgets ▸ Cold experts). 'decode copies' counts the experts copied by the decode "
-                               "miss policy. 'Slots filled' counts the experts placement copied into empty slots "
-                               "(at load, at a re-plan, or where a slot stood empty; static placement's over copied "
-                               "misses too); 'swaps' the residents it replaced because routing moved. "
+                               "host memory (the decode path: Budgets ▸ Cold experts). 'decode copies' counts the "
+                               "experts copied by the decode miss policy. 'Slots filled' counts the experts "
+                               "placement copied into empty slots (at load, at a re-plan, or where a slot stood empty; "
+                               "static placement's over copied misses too); 'swaps' the residents it replaced because "
+                               "routing moved. "
                                "The pinned staging ring is the page-locked host memory every copy goes through "
                                "(pinned_bytes); its high-water mark is the most it held at once.")
         self.buttons = QHBoxLayout()

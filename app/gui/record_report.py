@@ -223,8 +223,8 @@ def detail_html(record: RunRecord, run_id: int | None = None) -> str:
     parts.append("<h4>Conversation</h4>")
     for index, turn in enumerate(record.turns, start=1):
         tt = turn.get("timings", {})
-        parts.append(f"<p><b>Prompt {index}</b> ({turn.get('prompt_tokens', 0)} tokens"
-                     f"{', +' + str(turn['reused_cache_tokens']) + ' cached' if turn.get('reused_cache_tokens') else ''}):"
+        cached = f", +{turn['reused_cache_tokens']} cached" if turn.get("reused_cache_tokens") else ""
+        parts.append(f"<p><b>Prompt {index}</b> ({turn.get('prompt_tokens', 0)} tokens{cached}):"
                      f"<br>{_text(turn.get('prompt', ''), 600)}</p>")
         if turn.get("reasoning"):
             parts.append(f"<p><b>Reasoning {index}</b>:<br><i>{_text(turn['reasoning'])}</i></p>")
