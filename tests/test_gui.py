@@ -1971,9 +1971,17 @@ def test_stop_between_send_and_the_answers_start_is_not_lost(qtbot, window):
 
 
 def hold_loads_until_stopped(window) -> None:
-    """Loads wait at their first step until the window's stop reaches the worker (a fixture loads in milliseconds)."""
-    window.worker.loadProgress.connect(lambda _fraction: window.worker.cancel.wait(30),
-                                       Qt.ConnectionType.DirectConnection)
+    """Loads wait at their first step until the window's stop reaches the worker, by the stop flag or by the load's
+    number (EngineWorker.load_stopped), at most 30 s (a fixture loads in milliseconds)."""
+    worker = window.worker
+
+    def hold(_fraction) -> None:
+        for _ in range(3000):
+            if worker.load_stopped():
+                return
+            worker.cancel.wait(0.01)
+
+    worker.loadProgress.connect(hold, Qt.ConnectionType.DirectConnection)
 
 
 def load_settled(window) -> threading.Event:
@@ -1983,6 +1991,25 @@ def load_settled(window) -> threading.Event:
     window.worker.loadProgress.connect(lambda _fraction: settled.set(), Qt.ConnectionType.DirectConnection)
     window.worker.busyChanged.connect(lambda activity: activity or settled.set(), Qt.ConnectionType.DirectConnection)
     return settled
+
+
+def test_a_load_held_at_its_first_report_ends_as_soon_as_it_is_stopped_by_its_number(qtbot, window):
+    """hold_loads_until_stopped waited on the stop flag alone: a load held at its first report that the window stopped
+    by its number (it had not yet heard the load begin, so Stop reaches that load alone) sat out the hold's 30 s
+    before its next stop point ended it. The hold ends as soon as the stop reaches the load, either way."""
+    window.open_model(str(fixture_folder("lfm2moe")))
+    qtbot.waitUntil(lambda: window.load_action.isEnabled(), timeout=WAIT)
+    held, ended = threading.Event(), threading.Event()
+    window.worker.loadProgress.connect(lambda _fraction: held.set(), Qt.ConnectionType.DirectConnection)
+    window.worker.busyChanged.connect(lambda activity: activity or ended.set(), Qt.ConnectionType.DirectConnection)
+    hold_loads_until_stopped(window)
+    window.load_action.trigger()
+    assert held.wait(30) and window.busy == "" and window._waiting == "loading"  # (the window's own slot has not run)
+    window.stop_action.trigger()
+    assert window.worker.stopped_load and not window.worker.cancel.is_set()
+    assert ended.wait(20)  # (the hold's most is 30 s)
+    qtbot.waitUntil(lambda: not (window.busy or window._waiting), timeout=WAIT)
+    assert window.status_state.text() == "Stopped the load." and window.loaded_path is None
 
 
 def test_nothing_else_starts_between_load_and_the_loads_start_and_stop_stops_it(qtbot, window):

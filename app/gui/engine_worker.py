@@ -279,8 +279,12 @@ class EngineWorker(QObject):
         GPU opened and its kernels compiled, the expert runners built and planned) and at each progress report. Stop
         is the stop flag, or this load's number as stopped_load: the window's stop of a load it has not seen begin,
         which reaches that load alone (the flag would stop whatever runs ahead of it)."""
-        if self.cancel.is_set() or (self._load_request is not None and self._load_request == self.stopped_load):
+        if self.load_stopped():
             raise LoadCancelled("loading stopped")
+
+    def load_stopped(self) -> bool:
+        """Whether Stop was asked of the load that runs, either way (_stop_point)."""
+        return self.cancel.is_set() or (self._load_request is not None and self._load_request == self.stopped_load)
 
     def _landed(self) -> list[str]:
         """Plain sentences: where every part of the loaded model is, and why (first, while it runs every expert on the
