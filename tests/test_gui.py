@@ -1468,6 +1468,26 @@ def test_the_pinned_slider_reaches_the_automatic_ring_with_a_value_set(qtbot, wi
     assert budget.last_estimate.staging.wave_experts == 8  # the wave auto gives: two waves fill the ring
 
 
+def test_leaving_the_automatic_expert_budget_starts_from_the_budget_auto_gave(qtbot, window):
+    """Unticking auto on device_expert_bytes left the slider at 0 bytes: every expert left the device in the estimate
+    ('0 of 16' where auto had all 16 resident), and the user had to find the budget again. As Pinned starts from the
+    ring auto gave, the expert budget starts from auto's, up to the slider's far end (every expert in a slot)."""
+    window.open_model(str(fixture_folder("gptoss")))
+    qtbot.waitUntil(lambda: window.facts is not None and not window.busy, timeout=WAIT)
+    budget = window.budget_panel
+    budget.device.setCurrentIndex(budget.device.findData("simulated"))
+    qtbot.waitUntil(lambda: "16 of 16" in budget.layer_text.text())
+    assert budget.config().device_expert_bytes is None and budget.last_estimate.plan.budget_bytes > 16 * slot()
+    budget.expert_bytes.auto.setChecked(False)
+    assert budget.expert_bytes.value() == budget.expert_bytes.maximum() == 16 * slot()
+    qtbot.waitUntil(lambda: budget.config().device_expert_bytes == 16 * slot())
+    assert "16 of 16" in budget.layer_text.text()
+    budget.expert_bytes.setValue(3 * slot())  # a value of the user's own is kept when auto is ticked and unticked
+    budget.expert_bytes.auto.setChecked(True)
+    budget.expert_bytes.auto.setChecked(False)
+    assert budget.expert_bytes.value() == 3 * slot()
+
+
 def test_a_pinned_ring_below_one_expert_is_refused_with_the_engines_message(qtbot, window):
     from engine.offload.config import OffloadConfig
     from engine.offload.planner import OffloadPlanError

@@ -325,6 +325,7 @@ class BudgetPanel(QWidget):
         for spin in (self.min_weight, self.tail_threshold):
             spin.valueChanged.connect(self._changed)
         self.cold_only.toggled.connect(self._changed)
+        self.expert_bytes.auto.toggled.connect(self._expert_auto_toggled)
         self.pinned_bytes.auto.toggled.connect(self._pinned_auto_toggled)
         self.apply_button.clicked.connect(self._apply)
         self.defaults_button.clicked.connect(self.reset_defaults)
@@ -709,6 +710,14 @@ class BudgetPanel(QWidget):
         if self.loaded and list(slots) == [r for _l, _n, r, _e in est.per_layer]:
             return list(miss)
         return []
+
+    def _expert_auto_toggled(self, auto: bool) -> None:
+        """Leaving auto starts from the budget auto gave, as far as the slider reaches (every expert in a slot): not
+        from 0 bytes, which takes every expert off the device."""
+        plan = self.last_estimate.plan if self.last_estimate is not None else None
+        if not auto and plan is not None and not self.expert_bytes.value():
+            self.expert_bytes.setValue(min(plan.budget_bytes, self.expert_bytes.maximum()))
+            self._changed()
 
     def _pinned_auto_toggled(self, auto: bool) -> None:
         """Leaving auto starts from the ring auto gave (not from 0 bytes, which holds no expert)."""
