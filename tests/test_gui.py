@@ -1488,6 +1488,25 @@ def test_leaving_the_automatic_expert_budget_starts_from_the_budget_auto_gave(qt
     assert budget.expert_bytes.value() == 3 * slot()
 
 
+def test_a_model_opened_with_no_budgets_kept_keeps_the_device_chosen(qtbot, window):
+    """A model with no budgets kept came up on 'CPU only' whatever device was chosen: the demo tried on a simulated
+    GPU, then another model opened, showed every expert on the CPU and loaded so. It now starts from the defaults on
+    the device chosen, as Defaults leaves them; a model with budgets kept comes up with its own device."""
+    path, budget = open_on_simulated(qtbot, window, 3 * slot())
+    budget.sim_size.setValue(4 << 30)
+    budget.sim_size.valueChanged.emit(budget.sim_size.value())
+    window.save_model_settings(str(path), budget.settings())
+    window.open_model(str(fixture_folder("lfm2moe")))
+    qtbot.waitUntil(lambda: window.facts.name == "lfm2moe" and not window.busy, timeout=WAIT)
+    assert budget.device_settings() == {"kind": "simulated", "capacity": 4 << 30}
+    assert budget.config().device_expert_bytes is None and "simulated GPU, 4.0 GiB" in budget.statements.text()
+    budget.device.setCurrentIndex(budget.device.findData("cpu"))
+    window.open_model(str(path))
+    qtbot.waitUntil(lambda: window.facts.name == "gptoss" and not window.busy, timeout=WAIT)
+    assert budget.device_settings() == {"kind": "simulated", "capacity": 4 << 30}
+    assert budget.config().device_expert_bytes == 3 * slot()
+
+
 def test_a_pinned_ring_below_one_expert_is_refused_with_the_engines_message(qtbot, window):
     from engine.offload.config import OffloadConfig
     from engine.offload.planner import OffloadPlanError

@@ -454,7 +454,9 @@ class BudgetPanel(QWidget):
             control.setMaximum(max(1, facts.expert_bytes))
         # the KV cache never grows past the longest sequence: the context, or search.max_length below it
         self.kv_tokens.setMaximum(facts.longest_sequence)
-        self.set_settings(settings)
+        # a model with no budgets kept starts from the defaults on the device chosen, as Defaults leaves it: the
+        # machine's GPU (or the simulated one tried) is not another for each model
+        self.set_settings(settings if settings is not None else {"device": self.device_settings()})
 
     def set_gpu(self, gpu: dict | None, note: str = "") -> None:
         """The latest NVML reading: the CUDA choice's capacity and what other processes and the driver hold; `note`,
