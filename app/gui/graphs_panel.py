@@ -177,12 +177,12 @@ class GraphsPanel(QWidget):
         self._tokens += n
 
     def set_answering(self, answering: bool, now: float | None = None) -> None:
-        """A chat answer starts or ends: the time between counts toward the rate."""
+        """A chat answer starts or ends (`now`: when the worker said so): the time between counts toward the rate."""
         now = time.monotonic() if now is None else now
         if answering and self._answering_since is None:
             self._answering_since = now
         elif not answering and self._answering_since is not None:
-            self._answering_s += now - self._answering_since
+            self._answering_s += max(0.0, now - self._answering_since)
             self._answering_since = None
 
     def add_marker(self, text: str, kind: str = "event") -> None:
@@ -195,17 +195,20 @@ class GraphsPanel(QWidget):
         self.sampling_failure.show()
 
     def add_sample(self, sample: dict) -> None:
-        """A telemetry sample, with the rate of the tokens counted since the last one over the time answered since,
-        both as this thread saw them (its clock as the sample arrives). The sample's own time, taken on the
-        sampler's thread up to a few tenths of a second before it arrives, cut that sample's time short against the
-        tokens counted up to its arrival and gave the next the rest: the rate swung too high, then too low."""
+        """A telemetry sample, with the rate of the tokens counted since the last one over the time answered since.
+        The time is as the threads that send them saw it (the sample's `sent`, the answer's start and end as the
+        worker said them: set_answering's `now`), which orders them as this thread receives them, with the tokens
+        between: this thread's own clock as they arrive gave a sample all the tokens of a backlog it caught up on at
+        once over the moment it took to, and read hundreds of tokens a second where the answer made a hundred.
+        (The sample's `t`, taken up to a few tenths of a second before it is sent, would cut its time short against
+        the tokens counted up to its sending and give the next the rest: the rate swung too high, then too low.)"""
         self.sampling_failure.hide()
         sample = dict(sample)
-        clock = time.monotonic()
+        clock = sample.get("sent", time.monotonic())
         answering = self._answering_s
         if self._answering_since is not None:  # still answering: the sample takes the time so far
-            answering += clock - self._answering_since
-            self._answering_since = clock
+            answering += max(0.0, clock - self._answering_since)
+            self._answering_since = max(clock, self._answering_since)
         sample["tokens_per_s"] = self._tokens / answering if self._tokens and answering > 0 else 0.0
         self._tokens = 0
         self._answering_s = 0.0

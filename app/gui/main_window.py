@@ -14,6 +14,8 @@ import json
 import os
 import re
 import shutil
+import time
+from collections import deque
 from importlib.resources import files
 from pathlib import Path
 
@@ -260,6 +262,7 @@ class MainWindow(QMainWindow):
         self._chat_waiting: int | None = None  # the one sent whose answer has not come back
         self._loads = 0  # the window's loads sent to the worker, numbered (EngineWorker.stopped_load)
         self._jobs = 0  # the records jobs sent to the worker, numbered (EngineWorker.stopped_job)
+        self._busy_sent: deque[tuple[str, float]] = deque()  # the worker's activity changes not yet received, as sent
         history_box = QWidget()
         history_column = QVBoxLayout(history_box)
         history_column.setContentsMargins(4, 4, 4, 4)
@@ -330,6 +333,9 @@ class MainWindow(QMainWindow):
         self.tabs.currentChanged.connect(lambda _index: self._update_chat_actions())  # Send: the chat's or both sides'
         # worker -> window (queued: the worker emits from its own thread)
         w = self.worker
+        # when the worker said each change (before it is queued to _on_busy): the tokens/s graph's clock
+        w.busyChanged.connect(lambda activity: self._busy_sent.append((activity, time.monotonic())),
+                              Qt.ConnectionType.DirectConnection)
         w.busyChanged.connect(self._on_busy)
         w.inspected.connect(self._on_inspected)
         w.loadProgress.connect(self.model_panel.set_progress)
@@ -978,7 +984,8 @@ class MainWindow(QMainWindow):
         stopping, self._stopping = self._stopping, None  # a stop is said of the activity it was asked in
         if self._cancel_when_started not in (None, activity):  # a queued job stopped: said once it starts and ends
             self._stopping, stopping = stopping, None
-        self.graphs.set_answering(activity in ANSWERING)
+        sent = self._busy_sent.popleft() if self._busy_sent and self._busy_sent[0][0] == activity else (None, None)
+        self.graphs.set_answering(activity in ANSWERING, now=sent[1])
         if activity == "generating":
             self.graphs.add_marker("generate", "generate")
             self.warnings.reset()  # the banner speaks of this answer (_send took the last one's down)

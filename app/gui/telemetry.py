@@ -129,6 +129,7 @@ class Sampler(QObject):
                 self.failed.emit(failure_line(exc))
             return
         self._failing = False
+        sample["sent"] = time.monotonic()  # (the tokens/s graph's clock: GraphsPanel.add_sample)
         self.sampled.emit(sample)
 
 
