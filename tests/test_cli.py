@@ -451,6 +451,40 @@ def test_write_model_says_in_one_line_where_the_folder_cannot_be_made_or_written
     assert not (tmp_path / "model" / "model.onnx.data.partial").exists()
 
 
+def _listing(folder):
+    """Every file and folder under `folder`, with the files' bytes."""
+    return {str(path.relative_to(folder)): path.read_bytes() if path.is_file() else None
+            for path in sorted(folder.rglob("*"))}
+
+
+def test_write_model_that_fails_partway_leaves_the_folder_as_it_was(tmp_path, capsys, monkeypatch):
+    """A write that failed partway left what it had written (the tokenizer files, a new folder), and a --force write
+    had replaced the model's tokenizer files before the disk filled: a model of two writes. The folder is left as
+    it was before the command: the files and folders it made removed, the files there untouched."""
+    import errno
+
+    import engine.writer.write
+
+    small = ("--layers", "1", "--hidden", "64", "--experts", "4", "--intermediate", "64")
+    model = tmp_path / "kept"
+    assert _main(capsys, "write-model", str(model), *small)[0] == 0
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("the user's")
+    before = _listing(tmp_path)
+
+    def full(*_args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    for step in ("write_tensors", "readme"):  # the weights, half way; the last file, every other one written
+        with monkeypatch.context() as patch:
+            patch.setattr(engine.writer.write, step, full)
+            for folder in (tmp_path / "new" / "deeper", model, tmp_path / "mine"):
+                status, _out, err = _main(capsys, "write-model", str(folder), *small, "--seed", "1", "--force")
+                assert (step, status, err) == (step, 2, f"moe-workbench: error: {folder}: not written (No space left "
+                                                        "on device)\n")
+                assert _listing(tmp_path) == before
+
+
 def test_write_model_refuses_weights_larger_than_the_disk_has_free_before_writing(tmp_path, capsys, monkeypatch):
     """A size mistyped (--experts 320 for 32: 112 GiB of weights) was written until the disk filled, an hour on, then
     failed. The weights' size is checked against the disk's free space first."""

@@ -271,6 +271,20 @@ def test_progress_is_monotonic_and_reaches_one(tmp_path):
     assert all(a <= b for a, b in zip(seen, seen[1:]))
 
 
+
+def test_a_write_interrupted_partway_removes_what_it_wrote(tmp_path, monkeypatch):
+    """Ctrl-C while the weights were written left the tokenizer files and the folder made for them."""
+    import engine.writer.write
+
+    def interrupted(file, *_args):
+        file.write(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine.writer.write, "write_tensors", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_model(tmp_path / "made" / "m", WriterSpec())
+    assert list(tmp_path.iterdir()) == []
+
 # ---- streaming ----------------------------------------------------------------------------------
 
 def test_writing_a_large_model_streams(tmp_path):

@@ -9,7 +9,6 @@ take few tokens. Special tokens as in the gpt-oss fixture: <|endoftext|> (0, eos
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|start|>", "<|end|>"]
 EOS_ID, BOS_ID, PAD_ID = 0, 1, 0
@@ -79,11 +78,9 @@ def tokenizer_config(context_length: int) -> dict:
     }
 
 
-def write_tokenizer_files(folder: Path, vocab_size: int, context_length: int) -> int:
-    """Write the three files; returns the tokenizer's size."""
+def tokenizer_files(vocab_size: int, context_length: int) -> tuple[dict[str, str], int]:
+    """The three files' texts by name, and the tokenizer's size."""
     tok = build_tokenizer(vocab_size)
-    (folder / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
-    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(context_length), indent=2) + "\n",
-                                                  encoding="utf-8")
-    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
-    return tok.get_vocab_size()
+    return {"tokenizer.json": tok.to_str(pretty=True),
+            "tokenizer_config.json": json.dumps(tokenizer_config(context_length), indent=2) + "\n",
+            "chat_template.jinja": CHAT_TEMPLATE}, tok.get_vocab_size()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, replace
@@ -12,9 +13,11 @@ from engine.writer.external_data import WRITE_DEPTH, TensorPlan, external_tensor
 from engine.writer.folder_files import genai_config, readme, spec_json
 from engine.writer.graph import build_graph, make_model
 from engine.writer.spec import WriterSpec
-from engine.writer.tokenizer_files import write_tokenizer_files
+from engine.writer.tokenizer_files import tokenizer_files
 
 DATA_NAME = "model.onnx.data"
+# each file is written under its name and PARTIAL until every one is written
+PARTIAL = ".partial"
 # model.onnx is one protobuf message, which protobuf does not serialize past 2 GiB
 PROTOBUF_LIMIT = (2 << 30) - 1
 # write_model holds the graph whole (its node and tensor plans, the ModelProto made of them, its serialized bytes):
@@ -80,9 +83,8 @@ def write_model(folder: str | Path, spec: WriterSpec,
     """
     spec.validate()
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
 
-    tokenizer_size = write_tokenizer_files(folder, spec.vocab_size, spec.context_length)
+    texts, tokenizer_size = tokenizer_files(spec.vocab_size, spec.context_length)
     plan = build_graph(spec)
     data_bytes = total_bytes(plan.tensors)
 
@@ -97,24 +99,40 @@ def write_model(folder: str | Path, spec: WriterSpec,
             last_reported = frac
             progress(min(frac, 1.0))
 
-    if progress is not None:
-        progress(0.0)
-    tmp = folder / (DATA_NAME + ".partial")
-    try:
-        with open(tmp, "wb") as f:
-            initializers = write_tensors(f, plan.tensors, DATA_NAME, on_bytes)
-        os.replace(tmp, folder / DATA_NAME)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    made = [path for path in (folder, *folder.parents) if not path.exists()]  # (innermost first)
+    folder.mkdir(parents=True, exist_ok=True)
+    partials = []
 
-    doc = "Random-weight MoE model written by MoE Workbench's writer. " + (spec.description or "")
-    model = make_model(plan, initializers, doc.strip(),
-                       {"moe_workbench.writer_spec": spec_json(spec),
-                        "moe_workbench.tokenizer_size": str(tokenizer_size)})
-    (folder / "model.onnx").write_bytes(model.SerializeToString())
-    (folder / "genai_config.json").write_text(json.dumps(genai_config(spec), indent=4) + "\n", encoding="utf-8")
-    (folder / "README.txt").write_text(readme(spec, data_bytes), encoding="utf-8")
+    def partial(name: str) -> Path:
+        partials.append(folder / (name + PARTIAL))
+        return partials[-1]
+
+    # a write that fails partway (a full disk, Ctrl-C) leaves the folder as it was: the model files there are
+    # replaced only once every new one is written, and what this write made is removed
+    try:
+        for name, text in texts.items():
+            partial(name).write_text(text, encoding="utf-8")
+        if progress is not None:
+            progress(0.0)
+        with open(partial(DATA_NAME), "wb") as f:
+            initializers = write_tensors(f, plan.tensors, DATA_NAME, on_bytes)
+
+        doc = "Random-weight MoE model written by MoE Workbench's writer. " + (spec.description or "")
+        model = make_model(plan, initializers, doc.strip(),
+                           {"moe_workbench.writer_spec": spec_json(spec),
+                            "moe_workbench.tokenizer_size": str(tokenizer_size)})
+        partial("model.onnx").write_bytes(model.SerializeToString())
+        partial("genai_config.json").write_text(json.dumps(genai_config(spec), indent=4) + "\n", encoding="utf-8")
+        partial("README.txt").write_text(readme(spec, data_bytes), encoding="utf-8")
+        for path in partials:
+            os.replace(path, path.with_name(path.name.removesuffix(PARTIAL)))
+    except BaseException:
+        for path in partials:
+            path.unlink(missing_ok=True)
+        for made_folder in made:
+            with contextlib.suppress(OSError):  # (one that holds files written there meanwhile stays)
+                made_folder.rmdir()
+        raise
     if progress is not None and last_reported < 1.0:
         progress(1.0)
     return folder
