@@ -822,13 +822,15 @@ def _cmd_write_model(args) -> int:
     import psutil
 
     from engine.writer import WriterSpec, write_model
-    from engine.writer.write import PROTOBUF_LIMIT, write_sizes
+    from engine.writer.write import PROTOBUF_LIMIT, unfinished_files, write_sizes
 
     folder = Path(args.folder)
     if folder.exists() and not folder.is_dir():
         raise WorkbenchError(f"{folder}: a file, not a folder")
     if folder.is_dir() and any(folder.iterdir()) and not args.force:
-        raise WorkbenchError(f"{folder}: holds files already; writing would replace its model (--force to do so)")
+        left = unfinished_files(folder)  # (--force writes over them, as over the model's files)
+        left = f"; {', '.join(left)}: left by a write that did not finish" if left else ""
+        raise WorkbenchError(f"{folder}: holds files already; writing would replace its model (--force to do so){left}")
     kind = args.quant_type
     idle = [option for option, value, takes in (("--bits", args.bits, kind == "int"),
                                                 ("--block-size", args.block_size, kind in ("int", "fp8")),

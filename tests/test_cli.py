@@ -485,6 +485,26 @@ def test_write_model_that_fails_partway_leaves_the_folder_as_it_was(tmp_path, ca
                 assert _listing(tmp_path) == before
 
 
+def test_write_model_names_the_partial_files_a_killed_write_left(tmp_path, capsys):
+    """A write killed partway (its process ended, no cleanup run) leaves its partial files; the next write into the
+    folder said only that it holds files. It names them; --force writes over them."""
+    from engine.writer.write import FILE_NAMES
+
+    small = ("--layers", "1", "--hidden", "64", "--experts", "4", "--intermediate", "64")
+    target = tmp_path / "killed"
+    target.mkdir()
+    (target / "model.onnx.data.partial").write_bytes(b"half")
+    (target / "tokenizer.json.partial").write_text("{")
+    before = _listing(tmp_path)
+    status, _out, err = _main(capsys, "write-model", str(target), *small)
+    assert status == 2 and err == (f"moe-workbench: error: {target}: holds files already; writing would replace its "
+                                   "model (--force to do so); tokenizer.json.partial, model.onnx.data.partial: left "
+                                   "by a write that did not finish\n")
+    assert _listing(tmp_path) == before
+    assert _main(capsys, "write-model", str(target), *small, "--force")[0] == 0
+    assert sorted(path.name for path in target.iterdir()) == sorted(FILE_NAMES)
+
+
 def test_write_model_refuses_weights_larger_than_the_disk_has_free_before_writing(tmp_path, capsys, monkeypatch):
     """A size mistyped (--experts 320 for 32: 112 GiB of weights) was written until the disk filled, an hour on, then
     failed. The weights' size is checked against the disk's free space first."""

@@ -16,7 +16,9 @@ from engine.writer.spec import WriterSpec
 from engine.writer.tokenizer_files import tokenizer_files
 
 DATA_NAME = "model.onnx.data"
-# each file is written under its name and PARTIAL until every one is written
+# the files write_model writes, each under its name and PARTIAL until every one is written
+FILE_NAMES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", DATA_NAME, "model.onnx",
+              "genai_config.json", "README.txt")
 PARTIAL = ".partial"
 # model.onnx is one protobuf message, which protobuf does not serialize past 2 GiB
 PROTOBUF_LIMIT = (2 << 30) - 1
@@ -136,3 +138,8 @@ def write_model(folder: str | Path, spec: WriterSpec,
     if progress is not None and last_reported < 1.0:
         progress(1.0)
     return folder
+
+
+def unfinished_files(folder: str | Path) -> list[str]:
+    """The partial files in `folder` that a write killed before it could remove them left there."""
+    return [name + PARTIAL for name in FILE_NAMES if (Path(folder) / (name + PARTIAL)).exists()]
