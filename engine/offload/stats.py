@@ -46,8 +46,9 @@ class OffloadStats:
     # device from the host tier]
     step_splits: list[tuple[int, int, int]] = field(default_factory=list)
     pinned: dict = field(default_factory=dict)  # the pinned staging ring: bytes, high_water, ... (engine fills)
-    # the projection's inputs by phase, all layers together, shadow passes included (their wall time is in
-    # the timings too): "prefill" steps (more than one token), "decode" steps (one token); see projection.py
+    # the projection's inputs by phase, all layers together: "prefill" steps (more than one token), "decode" steps
+    # (one token); see projection.py. The agreement meter's exact-routing passes are left out, as the layers and the
+    # timings the projection takes these from leave them out (generation.py's agreement_s)
     phases: dict = field(default_factory=lambda: {"prefill": LayerStats(), "decode": LayerStats()})
     _pairs: list[np.ndarray] = field(default_factory=list)  # per layer [hits | misses], viewed by the two above
     _step_cpu: int = 0
