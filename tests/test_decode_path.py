@@ -122,6 +122,17 @@ def test_an_unknown_decode_path_is_named():
         checked_path("gpu")
 
 
+def test_an_empty_moe_decode_path_is_unset(monkeypatch):
+    """`MOE_DECODE_PATH=` (empty, as a shell leaves a variable cleared so) was taken as the path '' and refused as an
+    unknown one; it is unset: auto, as with no variable at all."""
+    monkeypatch.setenv("MOE_DECODE_PATH", "")
+    assert checked_path(paths.default_decode_path()) == "auto"
+    monkeypatch.delenv("MOE_DECODE_PATH")
+    assert paths.default_decode_path() == "auto"
+    monkeypatch.setenv("MOE_DECODE_PATH", "tier")
+    assert paths.default_decode_path() == "tier"
+
+
 def test_the_host_gap_is_timed_between_consecutive_layers_of_one_step_only():
     gap = HostGap()
     assert gap.value == 0.0

@@ -73,8 +73,9 @@ def checked_path(mode: str) -> str:
 
 
 def default_decode_path() -> str:
-    """The decode path an engine takes when none is asked for: MOE_DECODE_PATH (benchmarks' A/Bs), else auto."""
-    return os.environ.get("MOE_DECODE_PATH", "auto")
+    """The decode path an engine takes when none is asked for: MOE_DECODE_PATH (benchmarks' A/Bs), else auto (an
+    empty one too, as a shell's `MOE_DECODE_PATH=` leaves it: unset, not a path)."""
+    return os.environ.get("MOE_DECODE_PATH") or "auto"
 
 
 def host_available() -> int:
