@@ -91,6 +91,12 @@ class ExpertNodeInfo:
         return self.weight_bytes // self.spec.num_experts if self.spec else 0
 
     @property
+    def flops_per_token(self) -> int:
+        """FLOPs of one token through one expert (a multiply and an add per weight): the CPU's compute term in the
+        miss policy's cost model (miss_policy.py)."""
+        return 2 * sum(n * k for _name, n, k, _bits in self.spec.projections) if self.spec else 0
+
+    @property
     def device_bytes_per_expert(self) -> int:
         """What one device slot of this node takes (GpuFootprint.slot_bytes); 0 when the GPU cannot run it."""
         return self.gpu.slot_bytes if self.gpu is not None else 0

@@ -419,7 +419,7 @@ def test_the_engine_says_the_cpu_rate_in_force_with_the_measured_one_beside_it(m
         assert said["cpu_measured_call_s"] == pytest.approx(100e-6, rel=1e-6)  # the measured line's own
     # the miss policy prices a call so (its costs for a layer's misses), and the split's costs
     node = next(step for step in model.decoder.steps if isinstance(step, HybridExpertNode))
-    assert node._miss_costs([1], 0.0, 0.0, None).cpu_fixed_s == pytest.approx(6.25e-6, rel=1e-6)
+    assert node._miss_costs([1], 0, 0.0, None).cpu_fixed_s == pytest.approx(6.25e-6, rel=1e-6)
     assert engine._split_costs(0)[1] == pytest.approx(6.25e-6, rel=1e-6)
     slow = engine.cpu_rate_state(observed(CpuRate(), line_calls(20e9, 2e-6)))  # below the stream: the rate measured
     assert slow["cpu_bytes_per_s"] == slow["cpu_measured_bytes_per_s"] == pytest.approx(20e9)

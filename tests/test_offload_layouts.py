@@ -15,7 +15,7 @@ from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.cuda_device import _round_up, staged_bytes
 from engine.offload.devices import Bandwidths
-from engine.offload.miss_policy import miss_costs
+from engine.offload.miss_policy import decode_costs, miss_costs
 from engine.offload.planner import OffloadPlanError, plan_offload
 from engine.writer import WriterSpec, write_model
 from kernels.gpu import convert, layout
@@ -132,11 +132,11 @@ def test_the_miss_cost_model_uses_the_stored_and_the_device_sizes(folders, cpu_r
     assert same.copy_s == 40.0 and same.device_s == 20.0  # without device sizes: the stored size
     seen = []
 
-    def recording(bandwidths, expert_bytes, tokens, resident_s, **kwargs):
+    def recording(bandwidths, expert_bytes, tokens, residents, **kwargs):
         seen.append((expert_bytes, kwargs))
-        return miss_costs(bandwidths, expert_bytes, tokens, resident_s, **kwargs)
+        return decode_costs(bandwidths, expert_bytes, tokens, residents, **kwargs)
 
-    monkeypatch.setattr(hybrid_node, "miss_costs", recording)
+    monkeypatch.setattr(hybrid_node, "decode_costs", recording)
     info = ModelFolder.open(folders["nvfp4"]).experts[0]
     model = LoadedModel.open(folders["nvfp4"], device=SimulatedDevice(1 << 30, bandwidths=FAST_PCIE),
                              offload=OffloadConfig(placement="static", device_expert_bytes=4 * 3 * info.device_bytes_per_expert))

@@ -13,7 +13,7 @@ from engine.generation import LoadedModel
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.devices import Bandwidths, SimulatedSlots
 from engine.offload.miss_policy import (CopyReuse, CpuRate, MissCosts, choose, copying_pays, cpu_bytes_per_s,
-                                        cpu_rate_words, miss_costs, miss_slots)
+                                        cpu_rate_words, decode_costs, miss_costs, miss_slots)
 from engine.offload.placement import LayerSlots, make_policy
 from engine.offload.planner import OffloadPlanError
 from engine.writer import write_model
@@ -401,10 +401,18 @@ def test_copies_that_would_be_a_steps_only_device_work_are_charged_its_launch(mo
 
 def test_miss_slots_on_plain_numbers():
     # BALANCED: a 1 MB miss costs the CPU 1 ms, a copy 0.25 ms and the device 0.25 ms (a resident too). 8 experts,
-    # top-2, 4 slots: 0 left to misses: 1 hit, 1 miss on the CPU = 1 ms; 1 left: 0.75 hits (0.1875 ms), 1.25
-    # misses, one copied: 0.75 x 0.6875 + 0.25 x 1 = 0.766 ms; 2 left: 0.5 hits, 1.5 misses: 0.5 x 0.625 + 0.5 x 1
-    # = 0.8125 ms (two misses cost at least 1 ms whichever way)
+    # top-2, 4 slots: 0 left to misses: 1 hit, 1 miss on the CPU = 1 ms; 1 left: 1.25 misses, a step of one hit and
+    # one miss, copied (0.75 ms) three times in four, of two misses, one copied (1 ms), once: 0.8125 ms; 2 left:
+    # 1.5 misses: 0.5 x 0.75 + 0.5 x 1 = 0.875 ms (two misses cost at least 1 ms whichever way)
     assert miss_slots(BALANCED, 1_000_000, 4, 8, 2) == 1
+    # the steps of two misses have no resident routed: the node charges their copy the launch and merge (launch_s),
+    # 1 ms here: 1 left costs 0.75 x 0.75 + 0.25 x 2 = 1.0625 ms, more than none left
+    assert miss_slots(BALANCED, 1_000_000, 4, 8, 2, launch_s=1e-3) == 0
+    # the CPU computing a token through an expert in 2 ms, not reading it in 1: 2 left costs 0.5 x 0.75 + 0.5 x 1
+    # (both copied) = 0.875 ms, against 0.75 x 0.75 + 0.25 x 2 = 1.0625 for 1 left, 2 for none
+    compute_bound = Bandwidths(pcie=4e9, hbm=4e9, cpu=1e9, cpu_flops=1e9)
+    assert miss_slots(compute_bound, 1_000_000, 4, 8, 2) == 1
+    assert miss_slots(compute_bound, 1_000_000, 4, 8, 2, flops_per_token=2e6) == 2
     assert miss_slots(SLOW_PCIE, 1_000_000, 4, 8, 2) == 0  # copies never pay: every slot holds a resident
     assert miss_slots(FAST_PCIE, 1_000_000, 4, 8, 2) == 2  # copies are free: enough slots for every miss, no more
     assert miss_slots(BALANCED, 1_000_000, 4, 8, 2, prepare_s=2e-3) == 0  # a copy's host time dearer than the CPU
@@ -413,29 +421,32 @@ def test_miss_slots_on_plain_numbers():
 
 
 def test_miss_slots_minimise_the_expected_step_of_random_cases():
-    """Against a brute force: every split of the slots, every subset of a token's misses copied (step_seconds)."""
+    """Against a brute force: every split of the slots, every subset of a token's misses copied (worth), each step
+    priced as the hybrid node prices it (decode_costs: its hits resident, the launch where there are none)."""
     rng = np.random.default_rng(11)
     for _ in range(150):
         experts = int(rng.integers(2, 17))
         top_k = int(rng.integers(1, min(experts, 6) + 1))
         slots = int(rng.integers(0, experts))
         bandwidths = Bandwidths(pcie=float(rng.uniform(1e9, 8e9)), hbm=float(rng.uniform(1e10, 1e12)),
-                                cpu=float(rng.uniform(0.5e9, 8e9)), cpu_flops=1e18)
+                                cpu=float(rng.uniform(0.5e9, 8e9)), cpu_flops=1e9)
         prepare = float(rng.choice([0.0, rng.uniform(0, 5e-4)]))
         cpu_rate = float(rng.choice([np.nan, rng.uniform(0.2e9, 4e9)]))
         cpu_rate = None if np.isnan(cpu_rate) else cpu_rate
         reuse = float(rng.choice([np.nan, rng.uniform(0.0, 3.0)]))
         reuse = None if np.isnan(reuse) else reuse
         fixed = float(rng.choice([0.0, rng.uniform(0, 2e-3)]))
+        launch = float(rng.choice([0.0, rng.uniform(0, 1e-3)]))
+        flops = float(rng.choice([0.0, rng.uniform(0, 2e6)]))
 
         def expected(spare):
-            hits = top_k * min(slots - spare, experts) / experts
-            misses = top_k - hits
+            misses = top_k - top_k * min(slots - spare, experts) / experts
             total = 0.0
             for count, share in ((int(misses), 1 - misses % 1), (int(misses) + 1, misses % 1)):
                 if share > 0:
-                    costs = miss_costs(bandwidths, 1_000_000, [1] * count, hits * 1_000_000 / bandwidths.hbm,
-                                       prepare_s=prepare, cpu_rate=cpu_rate, reuse=reuse, cpu_fixed_s=fixed)
+                    costs = decode_costs(bandwidths, 1_000_000, [1] * count, top_k - count, launch_s=launch,
+                                         prepare_s=prepare, cpu_rate=cpu_rate, reuse=reuse, cpu_fixed_s=fixed,
+                                         flops_per_token=flops)
                     total += share * min(costs.worth(np.array(c, dtype=np.int64))
                                          for size in range(min(count, spare) + 1)
                                          for c in itertools.combinations(range(count), size))
@@ -443,7 +454,7 @@ def test_miss_slots_minimise_the_expected_step_of_random_cases():
 
         times = [expected(spare) for spare in range(slots + 1)]
         chosen = miss_slots(bandwidths, 1_000_000, slots, experts, top_k, prepare_s=prepare, cpu_rate=cpu_rate,
-                            reuse=reuse, cpu_fixed_s=fixed)
+                            reuse=reuse, cpu_fixed_s=fixed, flops_per_token=flops, launch_s=launch)
         assert times[chosen] == pytest.approx(min(times), rel=1e-9, abs=1e-15)
         assert all(t > times[chosen] * (1 - 1e-9) for t in times[:chosen])  # the fewest among equals
 
@@ -461,6 +472,28 @@ def test_the_engine_leaves_miss_slots_and_copies_misses_into_them(model_folder, 
     assert_same_as_cpu(greedy_run(model), cpu_run)
     totals = engine.stats.totals()
     assert totals.misses_copied > 0 and totals.misses_cpu > 0  # both the CPU and copies took misses
+
+
+def test_the_engine_weighs_its_miss_slots_at_the_prices_its_steps_pay(model_folder, slot_bytes, monkeypatch):
+    """The slot weighing priced each split without two things the hybrid node charges its steps: the CPU computing
+    a token through an expert where that takes longer than reading it (flops_per_token), and the slots' launch and
+    merge (the store's launch_s) where copies alone make a step's device part. Here a miss costs the CPU ~2.5 ms of
+    compute (~1 ms of reading) and copies alone pay a 1 ms launch: the weighing left 2 of 6 slots to copies where the
+    steps' own prices make 3 best (4 without the launch)."""
+    monkeypatch.setattr(SimulatedSlots, "launch_s", 1e-3, raising=False)
+    bandwidths = Bandwidths(pcie=50e6, hbm=400e6, cpu=16e6, cpu_flops=20e6)
+    model, _device = open_model(model_folder, bandwidths, device_expert_bytes=6 * 3 * slot_bytes)
+    engine = model.offload
+    info, store = engine.infos[0], engine.stores[0]
+    assert [layer.num_slots for layer in engine.slots] == [6] * 3
+
+    def weighed(**node):
+        return miss_slots(bandwidths, info.bytes_per_expert, 6, 16, 4, copy_bytes=store.expert_bytes,
+                          read_bytes=store.read_bytes, **node)
+
+    assert (weighed(), weighed(flops_per_token=info.flops_per_token)) == (2, 4)
+    assert weighed(flops_per_token=info.flops_per_token, launch_s=1e-3) == 3
+    assert engine.policy.miss_slots == [3] * 3
 
 
 def test_with_the_weighing_off_placement_wants_every_slot_for_a_resident(model_folder, cpu_run, slot_bytes):
@@ -669,10 +702,10 @@ def test_routing_that_comes_back_to_copied_misses_is_measured_and_given_to_the_p
 
     def recording(*args, **kwargs):
         offered.append(kwargs.get("reuse"))
-        return miss_costs(*args, **kwargs)
+        return decode_costs(*args, **kwargs)
 
     monkeypatch.setattr(hybrid_node, "route", two_steps_per_set)
-    monkeypatch.setattr(hybrid_node, "miss_costs", recording)
+    monkeypatch.setattr(hybrid_node, "decode_costs", recording)
     model, _device = open_model(model_folder, FAST_PCIE, device_expert_bytes=8 * 3 * slot_bytes)
     greedy_run(model, steps=16)
     reuse = model.offload.copy_reuse

@@ -819,13 +819,16 @@ class OffloadEngine(DenseLanding):
                 chosen.append(0)
                 continue
             key = (layer.num_slots, spec.num_experts, spec.k, info.bytes_per_expert, store.expert_bytes,
-                   store.read_bytes)
+                   store.read_bytes, info.flops_per_token)
             if key not in weighed:
+                # each split priced as the hybrid node prices its steps' misses (miss_policy.decode_costs)
                 cpu_rate, cpu_fixed_s = self.cpu_rate.priced(self.device.bandwidths.cpu)
                 weighed[key] = miss_slots(self.device.bandwidths, info.bytes_per_expert, layer.num_slots,
                                           spec.num_experts, spec.k, prepare_s=getattr(store, "prepare_s", 0.0),
                                           copy_bytes=store.expert_bytes, read_bytes=store.read_bytes,
-                                          cpu_rate=cpu_rate, reuse=self.copy_reuse.value, cpu_fixed_s=cpu_fixed_s)
+                                          cpu_rate=cpu_rate, reuse=self.copy_reuse.value, cpu_fixed_s=cpu_fixed_s,
+                                          flops_per_token=info.flops_per_token,
+                                          launch_s=getattr(store, "launch_s", 0.0))
             chosen.append(weighed[key])
         self.policy.miss_slots = chosen
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from engine.expert_node import CpuExpertNode
 from engine.offload.approximate import approximate_routing
-from engine.offload.miss_policy import choose, copying_pays, miss_costs
+from engine.offload.miss_policy import choose, copying_pays, decode_costs
 from engine.offload.projection import layer_critical_s
 from engine.offload.stats import LayerStats
 from engine.offload.step_pairs import NO_COUNTS, classify_pairs, count_routed, split_pairs, take_copied
@@ -37,7 +37,7 @@ class HybridExpertNode:
         self.layer = layer
         self.engine = engine
         self.last_split: SplitStep | None = None  # the "both" step the latest run() finished, else None (the decoder)
-        self._flops_per_token = 2 * self._weights_per_expert()
+        self._flops_per_token = self.info.flops_per_token
         self._out: np.ndarray | None = None       # the decode-sized accumulator, reused at every step (_output)
         self._out_view: np.ndarray | None = None  # ... and the view of it returned (fp16 models: a kept fp16 copy)
         self._every_pair: np.ndarray | None = None  # account_resident's mask: every routed pair resident
@@ -413,17 +413,16 @@ class HybridExpertNode:
         config = self.engine.config
         return config.cpu_execution != "disabled" and tokens <= config.async_max_tokens
 
-    def _miss_costs(self, tokens: list[int], resident_s: float, prepare_s: float, reuse: float | None,
+    def _miss_costs(self, tokens: list[int], residents: int, prepare_s: float, reuse: float | None,
                     launch_s: float = 0.0):
-        """The miss policy's cost model for this layer's misses (miss_policy.miss_costs). The CPU reads the stored
-        expert; a copy moves it in the kernels' (converted) layout, which the device then reads: converted layouts
-        (int2, fp4 ...) cost more on the device side than on the CPU side."""
+        """The miss policy's cost model for this layer's misses (miss_policy.decode_costs, as the slot weighing prices
+        them: miss_slots). The CPU reads the stored expert; a copy moves it in the kernels' (converted) layout, which
+        the device then reads: converted layouts (int2, fp4 ...) cost more on the device side than on the CPU side."""
         engine, store = self.engine, self.engine.stores[self.layer]
         cpu_rate, cpu_fixed_s = engine.cpu_rate.priced(engine.device.bandwidths.cpu)
-        return miss_costs(engine.device.bandwidths, self.info.bytes_per_expert, tokens, resident_s,
-                          flops_per_token=self._flops_per_token, prepare_s=prepare_s, copy_bytes=store.expert_bytes,
-                          read_bytes=store.read_bytes, cpu_rate=cpu_rate, reuse=reuse, launch_s=launch_s,
-                          cpu_fixed_s=cpu_fixed_s)
+        return decode_costs(engine.device.bandwidths, self.info.bytes_per_expert, tokens, residents, launch_s=launch_s,
+                            flops_per_token=self._flops_per_token, prepare_s=prepare_s, copy_bytes=store.expert_bytes,
+                            read_bytes=store.read_bytes, cpu_rate=cpu_rate, reuse=reuse, cpu_fixed_s=cpu_fixed_s)
 
     def _stream_misses(self, miss_experts: np.ndarray, miss_tokens: np.ndarray, stats: LayerStats,
                        streaming) -> np.ndarray:
@@ -431,7 +430,7 @@ class HybridExpertNode:
         later hits to credit: they are overwritten by the next layer; a launch and merge of their own, whose host time
         the copies must earn back); copy them; returns the copied experts."""
         experts = miss_experts.tolist()
-        costs = self._miss_costs(miss_tokens.tolist(), 0.0, streaming.prepare_s, None, launch_s=streaming.launch_s)
+        costs = self._miss_costs(miss_tokens.tolist(), 0, streaming.prepare_s, None, launch_s=streaming.launch_s)
         decision = choose(costs, streaming.num_slots)  # it scans every m: launch_s breaks copying_pays' shortcut
         chosen = [experts[i] for i in decision.copied.tolist()]
         if chosen:
@@ -448,10 +447,8 @@ class HybridExpertNode:
         on their own: its launch and merge are charged to them (the store's launch_s)."""
         engine, store = self.engine, self.engine.stores[self.layer]
         experts = miss_experts.tolist()
-        resident_s = residents * store.read_bytes / engine.device.bandwidths.hbm
-        launch_s = 0.0 if residents else getattr(store, "launch_s", 0.0)
-        costs = self._miss_costs(miss_tokens.tolist(), resident_s, getattr(store, "prepare_s", 0.0),
-                                 engine.copy_reuse.value, launch_s=launch_s)
+        costs = self._miss_costs(miss_tokens.tolist(), residents, getattr(store, "prepare_s", 0.0),
+                                 engine.copy_reuse.value, launch_s=getattr(store, "launch_s", 0.0))
         if not copying_pays(costs):
             return _NONE  # no copy can pay, whatever the spare slots: placement's spare_slots is not asked
         policy = engine.policy
@@ -485,11 +482,6 @@ class HybridExpertNode:
             worth = tokens * self._flops_per_token / bw.cpu_flops > wave_bytes / bw.pcie
             experts = experts[worth]
         return [experts[i:i + wave] for i in range(0, experts.size, wave)]
-
-    def _weights_per_expert(self) -> int:
-        spec = self.info.spec
-        return spec.fc1_rows * spec.hidden_size + spec.hidden_size * spec.inter_size + (
-            spec.inter_size * spec.hidden_size if spec.has_fc3 else 0)
 
 
 class SplitStep:

@@ -18,12 +18,12 @@ The model, per layer and step, with n cold experts hit by routing and S spare sl
               + [m > 0]·launch,  m = |C|
 
 for the set C of copied misses, m ≤ S (launch: the host time of a launch and merge of their own, where copies need
-one: the decode streaming slots, streaming.py). The CPU readies the copies, then computes its misses; the copies
-run on the copy stream meanwhile, and one launch computes the residents and the copied experts once the
-copies are in (hybrid_node.py: a second launch for the copied ones cost the host more than the residents'
-few µs of device time it let start earlier). A copied expert stays resident: where routing comes back to it
-in the next steps it is a hit there, and each such hit saves the CPU reading it (the device reads it
-instead). CopyReuse measures r, the later hits a copy earned, so a copy is credited with
+one: a step that routes to no resident expert, the decode streaming slots (streaming.py); decode_costs). The CPU
+readies the copies, then computes its misses; the copies run on the copy stream meanwhile, and one launch computes
+the residents and the copied experts once the copies are in (hybrid_node.py: a second launch for the copied ones
+cost the host more than the residents' few µs of device time it let start earlier). A copied expert stays resident:
+where routing comes back to it in the next steps it is a hit there, and each such hit saves the CPU reading it (the
+device reads it instead). CopyReuse measures r, the later hits a copy earned, so a copy is credited with
 
     credit  = r · max(0, read − dev)                                   read: one expert's CPU read time
 
@@ -454,6 +454,18 @@ def miss_costs(bandwidths, expert_bytes: int, tokens, resident_s: float,
                      cpu_fixed_s=float(cpu_fixed_s))
 
 
+def decode_costs(bandwidths, expert_bytes: int, tokens, residents: int, launch_s: float = 0.0,
+                 read_bytes: int | None = None, **costs) -> MissCosts:
+    """miss_costs for a decode step whose routing found `residents` distinct experts resident, which one launch
+    computes with the copied misses: their device time, and `launch_s` (the host time of a launch and merge of the
+    device's own) charged to copies only where no resident is routed, as they alone would make the step's device part.
+    The hybrid node prices its misses so, and miss_slots each split: a weighing that left these out chose other slots
+    than the steps then paid for."""
+    read_bytes = expert_bytes if read_bytes is None else read_bytes
+    return miss_costs(bandwidths, expert_bytes, tokens, residents * read_bytes / bandwidths.hbm, read_bytes=read_bytes,
+                      launch_s=0.0 if residents else launch_s, **costs)
+
+
 def choose(costs: MissCosts, spare_slots: int) -> MissDecision:
     """The split of the misses that minimises the step's critical path (see the module docstring)."""
     # Plain Python: n is a decode step's misses (a handful); NumPy calls on such arrays cost more (issue #4).
@@ -496,29 +508,28 @@ def copying_pays(costs: MissCosts) -> bool:
 
 def miss_slots(bandwidths, expert_bytes: int, num_slots: int, num_experts: int, top_k: int, prepare_s: float = 0.0,
                copy_bytes: int | None = None, read_bytes: int | None = None, cpu_rate: float | None = None,
-               reuse: float | None = None, cpu_fixed_s: float = 0.0) -> int:
+               reuse: float | None = None, cpu_fixed_s: float = 0.0, flops_per_token: float = 0.0,
+               launch_s: float = 0.0) -> int:
     """How many of a layer's `num_slots` to leave to copied misses instead of filling them with residents, for
     token-by-token decode. For each split, a token's expected hits and misses under uniform routing and the miss
     policy's best value W for them (choose; with `reuse` measured, the copies' later hits are credited; a
-    fractional miss count interpolates between its neighbours); the split with the least W, the fewest miss slots
+    fractional miss count interpolates between the steps of its neighbours, each priced as the hybrid node prices
+    such a step: decode_costs, its launch_s where no hit is left); the split with the least W, the fewest miss slots
     among equals. Each slot left to misses costs hits: it pays when the CPU is slow enough
     that a copy over PCIe beside it shortens the step more, or when copies earn enough later hits. Once a copy's
     credit exceeds its cost, every further miss lowers W and the weighing leaves all slots to copies: placement
     becomes a cache filled by the misses' copies. On the H200 (RESULTS.md, sixth session, run 7) that was the
     fastest split measured for gpt-oss and no slower for Qwen; the model does not weigh residents' own recency."""
-    read_bytes = expert_bytes if read_bytes is None else read_bytes
     best, best_s = 0, None
     for spare in range(num_slots + 1):
         residents = min(num_slots - spare, num_experts)
-        hits = top_k * residents / num_experts
-        misses = top_k - hits
-        resident_s = hits * read_bytes / bandwidths.hbm
+        misses = top_k - top_k * residents / num_experts
         seconds = 0.0
         for count, share in ((int(misses), 1.0 - misses % 1.0), (int(misses) + 1, misses % 1.0)):
-            if share > 0.0:
-                costs = miss_costs(bandwidths, expert_bytes, [1] * count, resident_s, prepare_s=prepare_s,
-                                   copy_bytes=copy_bytes, read_bytes=read_bytes, cpu_rate=cpu_rate, reuse=reuse,
-                                   cpu_fixed_s=cpu_fixed_s)
+            if share > 0.0:  # one token's step: top_k - count of its experts resident
+                costs = decode_costs(bandwidths, expert_bytes, [1] * count, top_k - count, launch_s, read_bytes,
+                                     flops_per_token=flops_per_token, prepare_s=prepare_s, copy_bytes=copy_bytes,
+                                     cpu_rate=cpu_rate, reuse=reuse, cpu_fixed_s=cpu_fixed_s)
                 seconds += share * choose(costs, spare).worth_s
         if best_s is None or seconds < best_s * (1.0 - 1e-9):
             best, best_s = spare, seconds
