@@ -16,9 +16,9 @@ XCB_LIBRARIES = ("libxcb-cursor.so.0", "libxcb-icccm.so.4", "libxcb-image.so.0",
 # The libraries Qt's GUI modules link that PySide6's wheel does not bring (nor a Debian system's required packages), on
 # every platform (offscreen too), with their Debian packages: a desktop has them, a slim container not
 QT_LIBRARIES = {"libEGL.so.1": "libegl1", "libGL.so.1": "libgl1", "libX11.so.6": "libx11-6",
-                "libdbus-1.so.3": "libdbus-1-3", "libfontconfig.so.1": "libfontconfig1", "libfreetype.so.6": "libfreetype6",
-                "libxkbcommon.so.0": "libxkbcommon0", "libglib-2.0.so.0": "libglib2.0-0",
-                "libgthread-2.0.so.0": "libglib2.0-0"}
+                "libdbus-1.so.3": "libdbus-1-3", "libfontconfig.so.1": "libfontconfig1",
+                "libfreetype.so.6": "libfreetype6", "libxkbcommon.so.0": "libxkbcommon0",
+                "libglib-2.0.so.0": "libglib2.0-0", "libgthread-2.0.so.0": "libglib2.0-0"}
 WITHOUT_A_WINDOW = "the commands inspect, generate, record, sweep and contention work without one (moe-workbench --help)"
 
 
