@@ -1983,6 +1983,41 @@ def test_the_tokens_graph_reads_the_answers_rate_where_the_window_catches_up_on_
     assert all(0 < rate <= 100.0 for rate in rates), rates  # (a slow machine's sleeps only lower them)
 
 
+def test_the_tokens_graph_times_side_by_side_from_its_answers_start_not_from_bs_load(qtbot, window, own_samples_only):
+    """The tokens/s graph timed side by side's answers from the job's start: B's load (seconds for a large model), the
+    engines' trials decoded before the answers and the saving after counted as answering, and answers of 660-1300
+    tok/s read 60. The time is now from the sides' first status to the last side's end, as the job's stream says."""
+    from app.gui.records_jobs import JobContext
+    from app.gui.side_streams import SideStreams
+    from app.gui.telemetry import SystemProbe
+
+    sample, worker, sampler = SystemProbe(nvml=False).sample(), window.worker, window.sampler
+    before = len(window.graphs.samples)
+    ctx = JobContext(None, None, {}, threading.Event(), lambda fraction, text="": None,
+                     lambda payload: worker.jobStreamed.emit("comparing", payload), None)
+
+    def compare() -> None:  # B loaded in 1 s, then 2 x 10 tokens in 0.1 s, then 0.4 s saving: 200 tok/s
+        worker.busyChanged.emit("comparing")
+        time.sleep(1.0)
+        streams = SideStreams(ctx, 64, (True, True), False, interval_s=3600)
+        streams.flush()
+        for side in (0, 1):
+            time.sleep(0.05)
+            for _ in range(10):
+                streams.on_text(side, None, "ab"[side])
+            streams.on_done(side, "eos", 10)
+        time.sleep(0.4)
+        worker.busyChanged.emit("")
+        sampler.sampled.emit(dict(sample, sent=time.monotonic()))
+
+    thread = threading.Thread(target=compare)
+    thread.start()
+    thread.join()
+    qtbot.waitUntil(lambda: len(window.graphs.samples) == before + 1 and not window.busy)
+    rate = window.graphs.samples[-1]["tokens_per_s"]
+    assert 50.0 < rate <= 200.0, rate  # (a slow machine's sleeps only lower it; timed from the job's start: 13)
+
+
 def test_stop_between_send_and_the_answers_start_is_not_lost(qtbot, window):
     """Between Send and the worker taking the request, the chat's Stop was off (and Send on: a second Enter queued a
     second message), and Esc did nothing: the answer ran in full. Stop now works from Send on; a request stopped before

@@ -1915,7 +1915,8 @@ def test_the_tokens_per_second_graph_counts_a_side_by_side_comparisons_tokens(qt
     finish(qtbot, window, view)
     pieces = view.result.pieces
     assert len(pieces[0]) > 0 and sum(counted_tokens) == len(pieces[0]) + len(pieces[1])
-    assert answering == [True, False]  # answering while "comparing", not once it ended
+    said = [on for on, before in zip(answering, [None, *answering]) if on != before]
+    assert said == [False, True, False]  # answering from the sides' first batch to their end: not while B loads
 
 
 def test_the_tokens_per_second_graph_counts_the_record_bars_and_a_sweeps_answers(qtbot, window, tmp_path):

@@ -59,8 +59,9 @@ STOPPABLE = {"generating": "the answer", "loading": "the load", "recording": "th
              "contention": "the contention test"}
 STOP_TIP = "Stop the answer, the load or the records job that runs"
 NO_MODEL_SAID = "; no model is loaded."  # the status bar's end of a stop the window's Unload made
-# the activities whose answers' tokens the tokens/s graph counts (a records job's stream says them: new_tokens)
-ANSWERING = ("generating", "recording", "sweeping", "comparing")
+# the activities whose answers' tokens the tokens/s graph counts (a records job's stream says them: new_tokens);
+# side by side's stream says when its answers start and end (its `answering`): its job loads and warms B first
+ANSWERING = ("generating", "recording", "sweeping")
 
 
 def settings_from_env() -> QSettings:
@@ -912,6 +913,8 @@ class MainWindow(QMainWindow):
         view = self.job_views[kind]
         if hasattr(view, "on_streamed"):
             view.on_streamed(payload)
+        if "answering" in payload:  # (before its tokens: the first batch starts the answers' time)
+            self.graphs.set_answering(payload["answering"], now=payload["sent"])
         self.graphs.count_tokens(payload.get("new_tokens", 0))  # (the records jobs that answer say how many)
 
     @Slot(str, object)

@@ -106,6 +106,11 @@ class SideStreams:
             self._flush()
 
     def _flush(self) -> None:
+        # whether a side still answers, and when that was so (the tokens/s graph's clock: GraphsPanel.set_answering):
+        # the graph times the answers from the sides' first status on: not B's load, the decoding of the engines' trials
+        # (unrecorded, uncounted) before it, nor the saving after
+        under_way = any(state in (WAITING, PREPARING, ANSWERING) for state in self.states)
+        sent = time.monotonic()
         for side, state in enumerate(self.states):
             if state is None:
                 continue
@@ -114,6 +119,7 @@ class SideStreams:
                 self.ctx.stream({"side": side, "text": "".join(self._pending[side]),
                                  "reasoning": "".join(self._pending_thoughts[side]), "status": status,
                                  "state": state, "tokens": self.tokens[side],
-                                 "new_tokens": len(self._pending[side])})  # streamed since the last batch
+                                 "new_tokens": len(self._pending[side]),  # streamed since the last batch
+                                 "answering": under_way, "sent": sent})
                 self._pending[side], self._pending_thoughts[side], self._sent[side] = [], [], status
         self.ctx.progress(None, run_line(self.states, self.tokens, self.max_tokens))
