@@ -1507,6 +1507,35 @@ def test_a_model_opened_with_no_budgets_kept_keeps_the_device_chosen(qtbot, wind
     assert budget.config().device_expert_bytes == 3 * slot()
 
 
+def test_leaving_the_automatic_reserve_or_host_cache_starts_from_what_auto_gave(qtbot, window):
+    """Unticking auto on Reserve or Host cache left them at 0 bytes, while the expert budget and Pinned start from
+    what auto gave: a reserve of 0 gave the automatic budget the whole device (no room for the KV cache and
+    workspace), a host cache of 0 kept no expert in host memory. They now start from auto's: the reserve the
+    estimate says the automatic budget keeps free, the host cache every expert's pages (the slider's far end)."""
+    window.open_model(str(fixture_folder("gptoss")))
+    qtbot.waitUntil(lambda: window.facts is not None and not window.busy, timeout=WAIT)
+    budget = window.budget_panel
+    budget.device.setCurrentIndex(budget.device.findData("simulated"))
+    qtbot.waitUntil(lambda: "16 of 16" in budget.layer_text.text())
+    est = budget.last_estimate
+    reserve, automatic = est.reserve_bytes, est.plan.budget_bytes
+    assert reserve >= 512 << 20 and f"keeps {human_bytes(reserve)} free" in budget.vram_legend.text()
+    budget.reserve_bytes.auto.setChecked(False)
+    assert budget.reserve_bytes.value() == reserve and budget.config().reserve_device_bytes == reserve
+    qtbot.waitUntil(lambda: budget.last_estimate is not est)
+    assert budget.last_estimate.plan.budget_bytes == automatic  # the same reserve: the same automatic budget
+    expert_bytes = window.facts.expert_bytes
+    assert budget.host_bytes.value() is None and budget.host_bytes.maximum() == expert_bytes
+    budget.host_bytes.auto.setChecked(False)
+    assert budget.host_bytes.value() == budget.config().host_expert_bytes == expert_bytes
+    # a value of the user's own is kept when auto is ticked and unticked again
+    for control, own in ((budget.reserve_bytes, 1 << 30), (budget.host_bytes, expert_bytes // 2)):
+        control.setValue(own)
+        control.auto.setChecked(True)
+        control.auto.setChecked(False)
+        assert control.value() == own
+
+
 def test_a_pinned_ring_below_one_expert_is_refused_with_the_engines_message(qtbot, window):
     from engine.offload.config import OffloadConfig
     from engine.offload.planner import OffloadPlanError

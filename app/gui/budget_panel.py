@@ -326,6 +326,8 @@ class BudgetPanel(QWidget):
             spin.valueChanged.connect(self._changed)
         self.cold_only.toggled.connect(self._changed)
         self.expert_bytes.auto.toggled.connect(self._expert_auto_toggled)
+        self.reserve_bytes.auto.toggled.connect(self._reserve_auto_toggled)
+        self.host_bytes.auto.toggled.connect(self._host_auto_toggled)
         self.pinned_bytes.auto.toggled.connect(self._pinned_auto_toggled)
         self.apply_button.clicked.connect(self._apply)
         self.defaults_button.clicked.connect(self.reset_defaults)
@@ -719,6 +721,21 @@ class BudgetPanel(QWidget):
         plan = self.last_estimate.plan if self.last_estimate is not None else None
         if not auto and plan is not None and not self.expert_bytes.value():
             self.expert_bytes.setValue(min(plan.budget_bytes, self.expert_bytes.maximum()))
+            self._changed()
+
+    def _reserve_auto_toggled(self, auto: bool) -> None:
+        """Leaving auto starts from the reserve auto kept free, as the expert budget starts from auto's: not from 0
+        bytes, which gives the automatic budget the whole device and leaves the KV cache and workspace no room."""
+        reserve = self.last_estimate.reserve_bytes if self.last_estimate is not None else None
+        if not auto and reserve is not None and not self.reserve_bytes.value():
+            self.reserve_bytes.setValue(min(reserve, self.reserve_bytes.maximum()))
+            self._changed()
+
+    def _host_auto_toggled(self, auto: bool) -> None:
+        """Leaving auto starts from what auto keeps, every expert's pages (the slider's far end): not from 0 bytes,
+        which keeps no expert in host memory and reads each cold expert back from the file."""
+        if not auto and self.facts is not None and not self.host_bytes.value():
+            self.host_bytes.setValue(min(self.facts.expert_bytes, self.host_bytes.maximum()))
             self._changed()
 
     def _pinned_auto_toggled(self, auto: bool) -> None:

@@ -219,6 +219,7 @@ class Estimate:
     statements: list[str] = field(default_factory=list)
     staging: "StagingPlan | None" = None   # the pinned ring and prefill wave the engine would take (None: none)
     host_tier: bool = False            # the engine would make the host tier (its device mappings are in "experts")
+    reserve_bytes: int | None = None   # what the automatic budget keeps free (reserve_device_bytes); None: no device
 
     @property
     def resident(self) -> int:
@@ -346,6 +347,7 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     others = min(device.others_bytes, capacity)
     ceiling = card_memory(capacity, others, config.gpu_device_mem_limit).ceiling  # this process's, as the load's
     device_parts: list[Part] = []
+    reserve_bytes = None
     if device.kind != "cpu":
         device_parts = [
             Part("experts", "resident experts", resident_bytes,
@@ -367,9 +369,10 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
         ]
         used = sum(p.bytes for p in device_parts if p.key != "others")
         room = max(0, ceiling - staging)
-        reserve = human_bytes(min(auto_reserve(config, room), room))  # a device below the reserve: all it has
+        reserve_bytes = min(auto_reserve(config, room), room)  # a device below the reserve: all it has
         device_parts.append(Part("free", "free", max(0, ceiling - used),
-                                 f"the automatic budget keeps {reserve} free" if config.device_expert_bytes is None else ""))
+                                 f"the automatic budget keeps {human_bytes(reserve_bytes)} free"
+                                 if config.device_expert_bytes is None else ""))
         if others + ceiling < capacity:
             device_parts.append(Part("limit", "beyond gpu_device_mem_limit", capacity - others - ceiling, ""))
     if staged is not None and not error:
@@ -411,7 +414,7 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     if error:
         statements.insert(0, error)
     return Estimate(plan, error, per_layer, device_parts, host_parts, capacity, ceiling, staging, statements,
-                    staged if not error else None, host_tier)
+                    staged if not error else None, host_tier, reserve_bytes)
 
 
 def dense_fit(facts: ModelFacts, device: DeviceChoice, config: OffloadConfig, planned: int) -> str | None:
