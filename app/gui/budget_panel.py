@@ -28,11 +28,11 @@ from kernels.gpu.host_tier import TIER_GRANULE
 DEVICES = (("cpu", "CPU only"), ("simulated", "Simulated GPU (size you choose)"), ("cuda", "CUDA GPU"))
 RELOAD_FIELDS = ("gpu_device_mem_limit",)
 SIMULATED_MIN = 1 << 20  # the least simulated GPU, as the command line's --simulated-vram
-WORKING_TIP = ("device_working_bytes: device memory for decode streaming slots, shared by the layers that have no expert "
-               "slot, so that their misses can also be copied over PCIe while the CPU computes the rest. Off by default: "
-               "on the H200 machine they gained 1.05x for large experts (gpt-oss-20b) and lost 1.1x for small ones "
-               "(Qwen3-30B-A3B); they pay where the CPU is slow against PCIe. Used where decode computes cold experts on "
-               "the CPU: under the host tier the GPU reads those layers' experts itself")
+WORKING_TIP = ("device_working_bytes: device memory for decode streaming slots, shared by the layers that have no "
+               "expert slot, so that their misses can also be copied over PCIe while the CPU computes the rest. Off by "
+               "default: on the H200 machine they gained 1.05x for large experts (gpt-oss-20b) and lost 1.1x for small "
+               "ones (Qwen3-30B-A3B); they pay where the CPU is slow against PCIe. Used where decode computes cold "
+               "experts on the CPU: under the host tier the GPU reads those layers' experts itself")
 SPLITS = (("auto", "measured while decoding"), ("spread", "spread over every layer"),
           ("whole", "whole layers on the device"))
 SPLIT_TIP = ("How the expert budget is spent across layers. Spread (onnxruntime's way): every layer keeps some experts "
@@ -45,18 +45,17 @@ SPLIT_TIP = ("How the expert budget is spent across layers. Spread (onnxruntime'
              "Not an onnxruntime key: this app's own setting")
 PATHS = (("auto", "measured while decoding"), ("cpu", "computed on the CPU"),
          ("tier", "read by the GPU from host memory"), ("both", "read by the GPU, a share on the CPU"))
-PATH_TIP = ("Where decode computes the experts that are in no GPU slot. On the CPU, while the GPU computes the resident "
-            "ones: every partly resident layer then pays a round trip through the host. Read by the GPU: every expert "
-            "is also kept in page-locked host memory (the experts' size again) and the GPU reads the cold ones over "
-            "PCIe inside its kernel, with no round trip; its device mappings round each slot array up to the "
-            f"{human_bytes(TIER_GRANULE)} granule, one granule even with no slot. Read by the GPU with a share on the "
-            "CPU: the same, while the CPU computes some of each token's cold experts at once (how many, from the speeds "
-            "measured while decoding); it can pay for large experts with few resident. Measured while decoding: the "
-            "engine times the "
-            "three and keeps the fastest (under CPU execution auto; disabled reads them on the GPU, enabled computes "
-            "them on the CPU). The host memory is taken there only where at most half the memory available holds it and "
-            "Pinned is auto; chosen here (read by the GPU, with or without a share), wherever the memory available "
-            "holds it. Not an onnxruntime key: this app's own setting")
+PATH_TIP = ("Where decode computes the experts that are in no GPU slot. On the CPU, while the GPU computes the "
+            "resident ones: every partly resident layer then pays a round trip through the host. Read by the GPU: "
+            "every expert is also kept in page-locked host memory (the experts' size again) and the GPU reads the "
+            "cold ones over PCIe inside its kernel, with no round trip; its device mappings round each slot array up "
+            f"to the {human_bytes(TIER_GRANULE)} granule, one granule even with no slot. Read by the GPU with a share "
+            "on the CPU: the same, while the CPU computes some of each token's cold experts at once (how many, from "
+            "the speeds measured while decoding); it can pay for large experts with few resident. Measured while "
+            "decoding: the engine times the three and keeps the fastest (under CPU execution auto; disabled reads them "
+            "on the GPU, enabled computes them on the CPU). The host memory is taken there only where at most half the "
+            "memory available holds it and Pinned is auto; chosen here (read by the GPU, with or without a share), "
+            "wherever the memory available holds it. Not an onnxruntime key: this app's own setting")
 # the keys the panel's controls set (config()); the others are shown read-only and kept as they came
 CONTROLLED_KEYS = frozenset({"mode", "placement", "cpu_execution", "device_expert_bytes", "reserve_device_bytes",
                              "gpu_device_mem_limit", "host_expert_bytes", "pinned_bytes", "device_working_bytes",
@@ -208,13 +207,15 @@ class BudgetPanel(QWidget):
 
         budget_box = QGroupBox("Budgets")
         f = form()
-        f.addRow(_label("Expert budget", "device_expert_bytes: bytes of expert weights kept on the device"), self.expert_bytes)
-        f.addRow(_label("Reserve", "reserve_device_bytes: kept free for KV cache and workspace when the budget is auto"),
-                 self.reserve_bytes)
+        f.addRow(_label("Expert budget", "device_expert_bytes: bytes of expert weights kept on the device"),
+                 self.expert_bytes)
+        f.addRow(_label("Reserve", "reserve_device_bytes: kept free for KV cache and workspace when the budget is "
+                        "auto"), self.reserve_bytes)
         f.addRow(_label("Device limit", "gpu_device_mem_limit: a hard cap on all device memory (needs a reload)"),
                  self.mem_limit)
         f.addRow(_label("Host cache", "host_expert_bytes: host memory kept for cold experts the CPU computes; "
-                               "the least recently used beyond it are dropped back to the mapped file"), self.host_bytes)
+                               "the least recently used beyond it are dropped back to the mapped file"),
+                 self.host_bytes)
         f.addRow(_label("Pinned", PINNED_TIP), self.pinned_bytes)
         f.addRow(self.pinned_note)
         f.addRow(_label("Streaming slots", WORKING_TIP), self.working_bytes)
@@ -222,18 +223,22 @@ class BudgetPanel(QWidget):
 
         policy_box = QGroupBox("Policy")
         f = form()
-        f.addRow(_label("Mode", "mode: disabled (every expert where the dense part runs: the CUDA GPU with onnxruntime-gpu, else the CPU), "
-                             "auto (offload where possible), required (refuse otherwise)"), self.mode)
+        f.addRow(_label("Mode", "mode: disabled (every expert where the dense part runs: the CUDA GPU with "
+                             "onnxruntime-gpu, else the CPU), auto (offload where possible), required (refuse "
+                             "otherwise)"), self.mode)
         f.addRow(_label("Placement", "placement: static (residents chosen once, from popularity_file or else from "
-                                  "the routing of the first tokens, then never moved) or adaptive (decayed hit counts, swaps with hysteresis)"),
+                                  "the routing of the first tokens, then never moved) or adaptive (decayed hit "
+                                  "counts, swaps with hysteresis)"),
                  self.placement)
-        f.addRow(_label("CPU execution", "cpu_execution: whether cold experts may be computed on the CPU. enabled: they "
-                                         "may (each miss on the CPU or copied in, whichever is faster); disabled: never "
-                                         "(on a CUDA GPU read from page-locked host memory where it holds them, else "
-                                         "copied in); auto: the engine measures the ways while decoding (Cold experts)"), self.cpu_execution)
+        f.addRow(_label("CPU execution", "cpu_execution: whether cold experts may be computed on the CPU. enabled: "
+                                         "they may (each miss on the CPU or copied in, whichever is faster); disabled: "
+                                         "never (on a CUDA GPU read from page-locked host memory where it holds them, "
+                                         "else copied in); auto: the engine measures the ways while decoding (Cold "
+                                         "experts)"), self.cpu_execution)
         f.addRow(_label("CPU threads", "cpu_threads for the CPU expert kernels; 0 = automatic: every core less "
                                        "those other processes keep busy; changes without reload"), self.threads)
-        f.addRow(_label("Prefill wave", "prefill_wave_experts: cold experts streamed to the device per wave in prefill"), self.wave)
+        f.addRow(_label("Prefill wave", "prefill_wave_experts: cold experts streamed to the device per wave in "
+                        "prefill"), self.wave)
         f.addRow(_label("Layer split", SPLIT_TIP), self.layer_split)
         f.addRow(_label("Cold experts", PATH_TIP), self.decode_path)
         policy_box.setLayout(f)
@@ -249,9 +254,9 @@ class BudgetPanel(QWidget):
                                             "below this, from the rank below on, is replaced by the resident expert "
                                             "the router scores highest among those it did not choose, with the same "
                                             "weight. off = 0"), self.tail_threshold)
-        f.addRow(_label("…from rank", "tail_substitution_min_rank: the first routing rank that may be substituted: 0 = "
-                                      "a token's top-ranked expert too, 1 = from the second on (the default); below "
-                                      "each expert node's top-k"), self.tail_rank)
+        f.addRow(_label("…from rank", "tail_substitution_min_rank: the first routing rank that may be substituted: "
+                                      "0 = a token's top-ranked expert too, 1 = from the second on (the default); "
+                                      "below each expert node's top-k"), self.tail_rank)
         approx_box.setLayout(f)
 
         other_box = QGroupBox("Other settings in force")
@@ -355,8 +360,9 @@ class BudgetPanel(QWidget):
         """What the window remembers per model and sends to the worker: the device, the offload entries
         (onnxruntime's keys), the KV length the estimate counts, the layer split and the decode path (this app's own
         settings)."""
-        return {"device": self.device_settings(), "entries": self.config().to_entries(), "kv_tokens": self.kv_tokens.value(),
-                "layer_split": self.layer_split.currentData(), "decode_path": self.decode_path.currentData()}
+        return {"device": self.device_settings(), "entries": self.config().to_entries(),
+                "kv_tokens": self.kv_tokens.value(), "layer_split": self.layer_split.currentData(),
+                "decode_path": self.decode_path.currentData()}
 
     def set_config(self, config: OffloadConfig) -> None:
         self.popularity_note.setText("")  # (said of the settings it cleared, which these replace)
@@ -601,7 +607,8 @@ class BudgetPanel(QWidget):
         self.layer_text.setText(head + layer_summary(est.per_layer, miss))
         if on_device and not choice.error:
             limited = any(part.key == "limit" for part in est.device_parts)  # not where other processes bound it
-            self.vram_title.setText(f"VRAM — {choice.label}" + (f", limit {human_bytes(est.ceiling)}" if limited else ""))
+            self.vram_title.setText(f"VRAM — {choice.label}"
+                                    + (f", limit {human_bytes(est.ceiling)}" if limited else ""))
             self.vram_bar.setParts(est.device_parts)
             self.vram_legend.setText(legend_html(est.device_parts, t))
             self.vram_bar.show()
@@ -788,7 +795,8 @@ class BudgetPanel(QWidget):
             self.applied_label.setText(f"Changed: {Path(path).name} "
                                        f"{'was edited' if _file_stamp(path) else 'is gone'} since it was applied")
         elif self.dirty():
-            self.applied_label.setText("Changed: " + ("needs a reload (" + ", ".join(reload) + ")" if reload else "not applied yet"))
+            self.applied_label.setText("Changed: " + ("needs a reload (" + ", ".join(reload) + ")" if reload
+                                                      else "not applied yet"))
         else:
             self.applied_label.setText("Applied to the loaded model")
 

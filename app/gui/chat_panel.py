@@ -39,7 +39,8 @@ class PromptEdit(QPlainTextEdit):
     submitted = Signal()
 
     def keyPressEvent(self, event: QKeyEvent) -> None:
-        if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not event.modifiers() & Qt.KeyboardModifier.ShiftModifier:
+        if (event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter)
+                and not event.modifiers() & Qt.KeyboardModifier.ShiftModifier):
             self.submitted.emit()
             return
         super().keyPressEvent(event)
@@ -519,13 +520,15 @@ class ChatPanel(QWidget):
             else:
                 stats = ""
                 if entry.get("stats"):
-                    stats = (f"<p style='color:{t.muted}; font-size:small; margin-top:2px'>{html.escape(entry['stats'])}"
+                    stats = (f"<p style='color:{t.muted}; font-size:small; margin-top:2px'>"
+                             f"{html.escape(entry['stats'])}"
                              f" · <a href='copy:{index}' style='color:{t.accent}'>copy</a></p>")
                 # an answer not begun under open reasoning is left out: the reasoning streams in at the document's end
                 answer = (f"<p style='margin-top:2px; margin-bottom:0px; {KEEP_SPACES}'>{text}</p>"
                           if text or not entry.get("reasoning") or not entry.get("reasoning_open") else "")
-                blocks.append(f"<p style='margin-top:8px; margin-bottom:0px'><span style='color:{t.accent}; font-size:small'>"
-                              f"<b>Model</b></span></p>{reasoning_html(entry, index, t)}{answer}{stats}")
+                blocks.append(f"<p style='margin-top:8px; margin-bottom:0px'>"
+                              f"<span style='color:{t.accent}; font-size:small'><b>Model</b></span></p>"
+                              f"{reasoning_html(entry, index, t)}{answer}{stats}")
         self.transcript.setHtml("".join(blocks))
         self.transcript.verticalScrollBar().setValue(self.transcript.verticalScrollBar().maximum())
 
@@ -535,7 +538,8 @@ class ChatPanel(QWidget):
             self.loaded = loaded
             self.render()
         self.busy, self.loaded = busy, loaded
-        has_answer = bool(self.entries) and self.entries[-1]["role"] == "assistant" and not self.entries[-1].get("streaming")
+        has_answer = (bool(self.entries) and self.entries[-1]["role"] == "assistant"
+                      and not self.entries[-1].get("streaming"))
         self.send_button.setEnabled(loaded and not busy)
         self.stop_button.setEnabled(answering)
         self.regenerate_button.setEnabled(loaded and not busy and has_answer)

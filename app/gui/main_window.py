@@ -51,8 +51,8 @@ RECENT_MAX = 10
 ICON = files("app") / "resources" / "moe-workbench.svg"
 STATE_VERSION = 1
 # what the engine worker reports as busy while a records job runs, and what the status bar says
-JOB_LABELS = {"recording": "Recording scenarios…", "sweeping": "Sweeping budgets…", "comparing": "Comparing side by side…",
-              "contention": "Running the contention test…"}
+JOB_LABELS = {"recording": "Recording scenarios…", "sweeping": "Sweeping budgets…",
+              "comparing": "Comparing side by side…", "contention": "Running the contention test…"}
 # what Stop stops in each busy state it can stop (opening a folder, preparing the kernels and re-planning it cannot)
 STOPPABLE = {"generating": "the answer", "loading": "the load", "recording": "the scenario runs",
              "sweeping": "the budget sweep", "comparing": "the side-by-side comparison",
@@ -291,7 +291,8 @@ class MainWindow(QMainWindow):
             "model": self._dock("Model", "modelDock", self.model_panel, Qt.DockWidgetArea.LeftDockWidgetArea),
             "budget": self._dock("Budgets", "budgetDock", self.budget_panel, Qt.DockWidgetArea.LeftDockWidgetArea),
             "graphs": self._dock("Machine", "graphsDock", self.graphs, Qt.DockWidgetArea.RightDockWidgetArea),
-            "placement": self._dock("Placement", "placementDock", self.placement, Qt.DockWidgetArea.BottomDockWidgetArea),
+            "placement": self._dock("Placement", "placementDock", self.placement,
+                                    Qt.DockWidgetArea.BottomDockWidgetArea),
         }
         self.splitDockWidget(self.docks["model"], self.docks["budget"], Qt.Orientation.Vertical)
         area = Qt.DockWidgetArea.BottomDockWidgetArea
@@ -377,7 +378,8 @@ class MainWindow(QMainWindow):
         dock = QDockWidget(title, self)
         dock.setObjectName(name)
         dock.setWidget(widget)
-        dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable | QDockWidget.DockWidgetFeature.DockWidgetFloatable
+        dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable
+                         | QDockWidget.DockWidgetFeature.DockWidgetFloatable
                          | QDockWidget.DockWidgetFeature.DockWidgetClosable)
         self.addDockWidget(area, dock)
         return dock
@@ -395,8 +397,10 @@ class MainWindow(QMainWindow):
 
     def _make_actions(self) -> None:
         self.open_action = self._action("&Open model folder…", self.choose_model, QKeySequence.StandardKey.Open)
-        self.demo_action = self._action("&Demo model", self.load_demo, "Ctrl+D", "Load the embedded random-weight demo model")
-        self.load_action = self._action("&Load", self.load, "Ctrl+L", "Load the open model with the budget panel's settings")
+        self.demo_action = self._action("&Demo model", self.load_demo, "Ctrl+D",
+                                        "Load the embedded random-weight demo model")
+        self.load_action = self._action("&Load", self.load, "Ctrl+L",
+                                        "Load the open model with the budget panel's settings")
         self.unload_action = self._action("&Unload", self.unload, "Ctrl+U", "Stop what runs and free the model")
         self.stop_action = self._action("&Stop", self.stop, "Esc", STOP_TIP)
         self.quit_action = self._action("&Quit", self.close, QKeySequence.StandardKey.Quit)
@@ -409,9 +413,11 @@ class MainWindow(QMainWindow):
         self.copy_action = self._action("&Copy last answer", self.chat.copy_last, "Ctrl+Shift+C")
         self.focus_action = self._action("&Focus the message box", lambda: self._in_chat(self.chat.prompt.setFocus),
                                          "Ctrl+K")
-        self.pause_action = self._action("&Pause graphs", lambda: self.graphs.set_paused(not self.graphs.paused), "Ctrl+P")
+        self.pause_action = self._action("&Pause graphs", lambda: self.graphs.set_paused(not self.graphs.paused),
+                                         "Ctrl+P")
         self.reset_layout_action = self._action("&Reset layout", self.reset_layout)
-        self.shortcuts_action = self._action("&Keyboard shortcuts", self.show_shortcuts, QKeySequence.StandardKey.HelpContents)
+        self.shortcuts_action = self._action("&Keyboard shortcuts", self.show_shortcuts,
+                                             QKeySequence.StandardKey.HelpContents)
 
         menu = self.menuBar().addMenu("&File")
         menu.addAction(self.open_action)
@@ -423,8 +429,8 @@ class MainWindow(QMainWindow):
         menu.addSeparator()
         menu.addAction(self.quit_action)
         menu = self.menuBar().addMenu("&Chat")
-        for action in (self.send_action, self.stop_action, self.regenerate_action, self.new_chat_action, self.copy_action,
-                       self.focus_action):
+        for action in (self.send_action, self.stop_action, self.regenerate_action, self.new_chat_action,
+                       self.copy_action, self.focus_action):
             menu.addAction(action)
         view = self.menuBar().addMenu("&View")
         for index, (key, dock) in enumerate({**self.docks, **self.record_docks}.items(), start=1):
@@ -728,7 +734,8 @@ class MainWindow(QMainWindow):
                 rows.append(f"<tr><td><b>{action.shortcut().toString(QKeySequence.SequenceFormat.NativeText)}</b></td>"
                             f"<td>&nbsp;{action.text().replace('&', '')}</td></tr>")
         for key, dock in {**self.docks, **self.record_docks}.items():
-            rows.append(f"<tr><td><b>{dock.toggleViewAction().shortcut().toString()}</b></td><td>&nbsp;show/hide {dock.windowTitle()}</td></tr>")
+            rows.append(f"<tr><td><b>{dock.toggleViewAction().shortcut().toString()}</b></td>"
+                        f"<td>&nbsp;show/hide {dock.windowTitle()}</td></tr>")
         QMessageBox.information(self, "Keyboard shortcuts", "<table>" + "".join(rows) + "</table>")
 
     # --- actions -----------------------------------------------------------------------------------
@@ -1022,7 +1029,8 @@ class MainWindow(QMainWindow):
     def _on_inspected(self, facts) -> None:
         self.facts = facts
         self.model_panel.show_facts(facts)
-        self.budget_panel.set_facts(facts, self._load_settings if self._load_settings is not None and self.busy == "loading"
+        self.budget_panel.set_facts(facts, self._load_settings
+                                    if self._load_settings is not None and self.busy == "loading"
                                     else self.model_settings(facts.path))
         other_loaded = self.loaded_path is not None and Path(self.loaded_path).resolve() != Path(facts.path).resolve()
         if other_loaded:

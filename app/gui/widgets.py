@@ -11,8 +11,8 @@ from typing import Callable
 
 from PySide6.QtCore import QRectF, QSize, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QPainter, QPen
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFrame, QHBoxLayout, QLabel, QLineEdit, QScrollArea,
-                               QSizePolicy, QSlider, QSpinBox, QToolButton, QToolTip, QWidget)
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFrame, QHBoxLayout, QLabel, QLineEdit,
+                               QScrollArea, QSizePolicy, QSlider, QSpinBox, QToolButton, QToolTip, QWidget)
 
 from app.gui import theme
 from app.gui.records_jobs import ANSWER_CHOICES, CHAT_SAMPLING, MODEL_SAMPLING
@@ -69,9 +69,9 @@ class OneLineLabel(QLabel):
 
 
 def part_colour(key: str, t: theme.Theme) -> str:
-    return {"experts": t.accent, "dense": "#8250df" if not t.dark else "#a371f7", "kv": "#bf3989" if not t.dark else "#db61a2",
-            "workspace": "#1b7c83" if not t.dark else "#39c5cf", "others": t.others, "free": t.free,
-            "limit": t.grid}.get(key, t.muted)
+    return {"experts": t.accent, "dense": "#8250df" if not t.dark else "#a371f7",
+            "kv": "#bf3989" if not t.dark else "#db61a2", "workspace": "#1b7c83" if not t.dark else "#39c5cf",
+            "others": t.others, "free": t.free, "limit": t.grid}.get(key, t.muted)
 
 
 class ByteControl(QWidget):
@@ -310,7 +310,8 @@ class StackedBar(QWidget):
         for part, rect in self._rects():
             if rect.contains(event.position()):
                 QToolTip.showText(event.globalPosition().toPoint(),
-                                  f"{part.label}: {human_bytes(part.bytes)}" + (f"\n{part.note}" if part.note else ""), self)
+                                  f"{part.label}: {human_bytes(part.bytes)}" + (f"\n{part.note}" if part.note else ""),
+                                  self)
                 return
         QToolTip.hideText()
 
@@ -320,8 +321,8 @@ def legend_html(parts, t: theme.Theme) -> str:
     for part in parts:
         note = f"<span style='color:{t.muted}; font-size:small'>{html.escape(part.note)}</span>" if part.note else ""
         rows.append(f"<tr><td style='white-space:pre'><span style='color:{part_colour(part.key, t)}'>■</span> "
-                    f"{html.escape(part.label)}</td><td align='right' style='white-space:pre'>&nbsp;{human_bytes(part.bytes)}"
-                    f"&nbsp;&nbsp;</td><td>{note}</td></tr>")
+                    f"{html.escape(part.label)}</td><td align='right' style='white-space:pre'>"
+                    f"&nbsp;{human_bytes(part.bytes)}&nbsp;&nbsp;</td><td>{note}</td></tr>")
     return "<table cellspacing='0' cellpadding='1'>" + "".join(rows) + "</table>"
 
 
