@@ -209,6 +209,8 @@ class ModelTokenizer:
         jinja_file = folder / "chat_template.jinja"
         if no_link_loop(jinja_file).is_file():
             return ChatTemplate(read_model_text(jinja_file), str(jinja_file), special)
+        if jinja_file.exists():  # a folder (or a device) of that name: the model's template was meant to be there
+            raise ModelFileError(f"{jinja_file}: {not_a_file(jinja_file)}")
         template = config.get("chat_template")
         if template is not None and not isinstance(template, (str, list, dict)):
             raise ModelFileError(f"{origin}: 'chat_template' is {json.dumps(template)[:40]}, not a template or a list "

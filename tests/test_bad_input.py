@@ -1240,3 +1240,14 @@ def test_a_prompt_token_past_the_models_embedding_names_tokenizer_json_the_token
         conversation.send("the zebrafish swims", GenerationParams(max_new_tokens=2))
     assert str(caught.value) == refused
     assert conversation.send("the fish swims", GenerationParams(max_new_tokens=2)).tokens
+
+
+def test_a_folder_named_chat_template_jinja_is_named_as_a_folder(copy_fixture, cli):
+    """Was: passed over, the model then said to have no chat template at its first chat."""
+    folder = copy_fixture("gptoss")
+    template = folder / "chat_template.jinja"
+    template.unlink()
+    template.mkdir()
+    fragment = f"{template}: a folder, not a file"
+    assert_clean_error(cli("inspect", str(folder)), fragment)
+    assert_clean_error(cli("generate", str(folder), "--prompt", "hi", "--max-new-tokens", "1"), fragment)
