@@ -23,7 +23,8 @@ def inspection(folder: ModelFolder) -> dict:
             "supported": info.unsupported is None,
             "reason": info.unsupported,
         })
-    supported = all(n["supported"] for n in nodes)
+    template_fault = folder.tokenizer.template_fault()
+    supported = all(n["supported"] for n in nodes) and template_fault is None
     return {
         "model": str(folder.folder),
         "type": folder.config.model_type,
@@ -33,14 +34,17 @@ def inspection(folder: ModelFolder) -> dict:
         "dense_bytes": folder.dense_bytes,
         "dense_segments": len(folder.plan.segments),
         "supported": supported,
-        "verdict": verdict(nodes),
+        "verdict": verdict(nodes, template_fault),
     }
 
 
 NO_EXPERT_NODES = "no expert nodes: onnxruntime runs the whole model"
 
 
-def verdict(nodes: list[dict]) -> str:
+def verdict(nodes: list[dict], template_fault: str | None = None) -> str:
+    """`template_fault`: why the chat template cannot render a first prompt (ModelTokenizer.template_fault)."""
+    if template_fault and all(n["supported"] for n in nodes):  # (unsupported nodes said first)
+        return f"cannot run: {template_fault}"
     if not nodes:
         return f"runs: {NO_EXPERT_NODES}"
     unsupported = sum(not n["supported"] for n in nodes)

@@ -263,6 +263,18 @@ class ModelTokenizer:
     def token_id(self, text: str | None) -> int | None:
         return None if text is None else self._tok.token_to_id(text)
 
+    def template_fault(self) -> str | None:
+        """Why the chat template cannot render a conversation of one user message (a chat's first prompt), rendered
+        as a chat renders it (the same sandbox and time limit): a template that raises, fails or loops fails every
+        chat, which inspect says before a load. None where it renders, or where there is none (--raw needs none)."""
+        if self.chat_template is None:
+            return None
+        try:
+            self.chat_template.render([{"role": "user", "content": "Hello"}])
+        except WorkbenchError as exc:
+            return str(exc)
+        return None
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, variables: dict | None = None) -> str:
         if self.chat_template is None:
             raise PromptError("this model has no chat template (in tokenizer_config.json or chat_template.jinja), which a "

@@ -1251,3 +1251,24 @@ def test_a_folder_named_chat_template_jinja_is_named_as_a_folder(copy_fixture, c
     fragment = f"{template}: a folder, not a file"
     assert_clean_error(cli("inspect", str(folder)), fragment)
     assert_clean_error(cli("generate", str(folder), "--prompt", "hi", "--max-new-tokens", "1"), fragment)
+
+
+def test_inspect_says_a_model_whose_chat_template_cannot_render_cannot_run(copy_fixture, cli):
+    """Was: inspect said 'runs: all 2 expert nodes are supported', and every chat then failed at its first prompt."""
+    folder = copy_fixture("gptoss")
+    template = folder / "chat_template.jinja"
+    for source, said in (("{{ 1/0 }}", "chat template failed to render (division by zero)"),
+                         ("{{ raise_exception('no system message') }}",
+                          "the chat template refused the conversation: no system message"),
+                         ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                          "chat template failed to render (still rendering after 2 s (a loop without end?))")):
+        template.write_text(source)
+        result = cli("inspect", str(folder))
+        assert result.returncode == 1 and "Traceback" not in result.stderr
+        assert result.stdout.splitlines()[-1] == f"cannot run: {template}: {said}"
+        report = json.loads(cli("inspect", str(folder), "--json").stdout)
+        assert not report["supported"] and report["verdict"] == f"cannot run: {template}: {said}"
+    template.write_text("{% for m in messages %}<{{ m.content }}>{% endfor %}")
+    result = cli("inspect", str(folder))
+    assert result.returncode == 0
+    assert result.stdout.splitlines()[-1] == "runs: all 2 expert nodes are supported by our CPU kernels"
