@@ -756,6 +756,8 @@ def _cmd_generate(args) -> int:
     model = LoadedModel.open(args.model, threads=args.threads, offload=config, device=device,
                              layer_split=args.layer_split, decode_path=args.decode_path)
     params = replace(params, max_new_tokens=args.max_new_tokens or model.answer_tokens(GENERATE_TOKENS))
+    for warning in model.folder.eos_warnings:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     _warn_of_thread_binding()
     _warn_of_decode_path(args.decode_path, model)
     threads = model.decoder.kernel_threads

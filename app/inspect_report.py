@@ -35,6 +35,7 @@ def inspection(folder: ModelFolder) -> dict:
         "dense_segments": len(folder.plan.segments),
         "supported": supported,
         "verdict": verdict(nodes, template_fault),
+        "warnings": folder.eos_warnings,
     }
 
 
@@ -63,6 +64,7 @@ def format_inspection(report: dict) -> str:
     lines.append(f"experts: {human_bytes(report['expert_bytes'])} in {len(report['expert_nodes'])} nodes; "
                  f"dense part: {human_bytes(report['dense_bytes'])} in {report['dense_segments']} onnxruntime segments")
     lines.append(report["verdict"])
+    lines += [f"warning: {warning}" for warning in report["warnings"]]
     offload = report.get("offload", {})
     if offload.get("all_resident_bytes"):  # the budget to set: the table's stored sizes do not add up to it
         lines.append(f"every expert resident on the device: an expert budget of {offload['all_resident_bytes']} bytes "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -90,6 +91,21 @@ class ModelFolder:
                     return int(table.dims[0])
         shape = self.onnx.declared_shape(self.logits_name)
         return shape[-1] if shape and isinstance(shape[-1], int) and shape[-1] > 0 else None
+
+    @property
+    def eos_warnings(self) -> list[str]:
+        """The end-of-text tokens genai_config.json and tokenizer_config.json name that no answer can end on: an id
+        past the model's vocabulary, a text that is no token of tokenizer.json. onnxruntime-genai loads such a model
+        (its answers then run to their length), so the engine does too, and says so rather than nothing."""
+        vocabulary = self.vocabulary or self.tokenizer.vocab_size
+        said = [f"{self.folder / 'genai_config.json'}: model.eos_token_id {token} is past the model's vocabulary of "
+                f"{vocabulary} tokens: no answer ends on it" for token in self.config.eos_token_ids
+                if token >= vocabulary]
+        text = self.tokenizer.eos_token
+        if text is not None and self.tokenizer.token_id(text) is None:
+            said.append(f"{self.folder / 'tokenizer_config.json'}: eos_token {json.dumps(text)} is no token of "
+                        "tokenizer.json: no answer ends on it")
+        return said
 
     @property
     def expert_bytes(self) -> int:

@@ -1272,3 +1272,24 @@ def test_inspect_says_a_model_whose_chat_template_cannot_render_cannot_run(copy_
     result = cli("inspect", str(folder))
     assert result.returncode == 0
     assert result.stdout.splitlines()[-1] == "runs: all 2 expert nodes are supported by our CPU kernels"
+
+
+def test_end_of_text_tokens_no_answer_can_end_on_are_warned_of(copy_fixture, cli):
+    """Was: an eos_token_id past the vocabulary, or an eos_token the tokenizer has no token for, was taken without a
+    word, and answers ran to their length. onnxruntime-genai loads such a model; so does the engine, saying why."""
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["eos_token_id"] = [0, 70000]
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    tokens = json.loads((folder / "tokenizer_config.json").read_text())
+    tokens["eos_token"] = "<|no such token|>"
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokens))
+    said = [f"warning: {folder / 'genai_config.json'}: model.eos_token_id 70000 is past the model's vocabulary of 512 "
+            "tokens: no answer ends on it",
+            f"warning: {folder / 'tokenizer_config.json'}: eos_token \"<|no such token|>\" is no token of "
+            "tokenizer.json: no answer ends on it"]
+    inspect = cli("inspect", str(folder))
+    assert inspect.returncode == 0 and inspect.stdout.splitlines()[-2:] == said
+    assert json.loads(cli("inspect", str(folder), "--json").stdout)["warnings"] == [line[9:] for line in said]
+    generate = cli("generate", str(folder), "--prompt", "hi", "--max-new-tokens", "1")
+    assert generate.returncode == 0 and [line for line in generate.stderr.splitlines() if line in said] == said
