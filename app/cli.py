@@ -182,6 +182,7 @@ def _build_parser() -> argparse.ArgumentParser:
         SCENARIO_TOKENS, "; the long scenario's within what the context leaves after its input; the test answers "
         "three times: a warm-up, alone, beside the indexing"))
     _add_record_sampling_arguments(contention)
+    _add_reasoning_argument(contention, "the inference's answers: ")
     contention.add_argument("--json", action="store_true", help="print the report as one JSON object")
     _add_device_arguments(contention)
 
@@ -1330,13 +1331,14 @@ def _cmd_contention(args) -> int:
     if problem:
         raise WorkbenchError(f"{named}: {problem}")
     sampling = _record_sampling(args, "contention")
+    _check_reasoning(args)
     fallback = []  # why every expert runs on the CPU where the CUDA GPU cannot be used: the report says it
     config, device = _offload_setup(args, fallback)
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
     _warn_after_load(args, model)
-    params = GenerationParams(max_new_tokens=args.max_new_tokens or scenario_answer_tokens(model, args.scenario),
-                              sampling=sampling)
+    tokens = args.max_new_tokens or scenario_answer_tokens(model, args.scenario, args.reasoning)
+    params = GenerationParams(max_new_tokens=tokens, sampling=sampling, reasoning=args.reasoning)
     # the long input on a short context refused as record refuses it, not after the warm-up's indexing (minutes)
     scenario_turns(args.scenario, model.tokenizer, model.config, params.max_new_tokens, params.reasoning)
 

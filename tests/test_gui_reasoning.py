@@ -19,7 +19,8 @@ from PySide6.QtGui import QGuiApplication  # noqa: E402
 from engine.decoder import PartitionedDecoder  # noqa: E402
 from engine.tokenizer import ModelTokenizer  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
-from tests.reasoning_models import ScriptedForward, ScriptedStates, harmony_folder, scenario_answers  # noqa: E402
+from tests.reasoning_models import (ScriptedForward, ScriptedStates, harmony_folder, scenario_answers,  # noqa: E402
+                                    thinking_switch_folder)
 from tests.test_gui import WAIT, load, make_window  # noqa: E402
 
 REASONING = "The user greets us. A short and friendly answer will do."
@@ -555,3 +556,51 @@ def test_record_and_the_sweep_take_a_reasoning_setting_to_their_prompts_and_reco
         ("off", _rendered_tokens(tokenizer, short, off))] * 2
     assert len(history.rows(label="sweep")) == 2
     window.close()
+
+
+def test_the_contention_tests_reasoning_offers_the_models_values_reaches_its_answers_and_is_kept(qtbot, tmp_path,
+                                                                                                copy_fixture,
+                                                                                                monkeypatch):
+    """The contention test had no Reasoning, where Record and the sweep have one: its answers rendered with the
+    template's default. It offers the loaded model's values, its answers render with the one chosen, the report says
+    it, and it is kept when the window reopens, as theirs is."""
+    import engine.records.scenarios as scenarios
+    from engine.genai_config import load_genai_config
+    from engine.records.contention import make_corpus
+
+    folder = thinking_switch_folder(copy_fixture)
+    tokenizer = ModelTokenizer(folder)
+    answer = tokenizer.encode("Hello there!") + [load_genai_config(folder).eos_token_ids[0]]
+    monkeypatch.setattr(PartitionedDecoder, "forward", ScriptedStates(tokenizer.vocab_size, answer))
+    rendered, render_chat, warm_up_answer = [], ModelTokenizer.render_chat, scenarios.warm_up_answer
+
+    def render(self, messages, add_generation_prompt=True, variables=None):
+        rendered.append(variables)
+        return render_chat(self, messages, add_generation_prompt, variables)
+
+    def before_the_inferences(*args):  # the model's own warm-up after its load, as before a record
+        answered = warm_up_answer(*args)
+        rendered.clear()
+        return answered
+
+    monkeypatch.setattr(ModelTokenizer, "render_chat", render)
+    monkeypatch.setattr(scenarios, "warm_up_answer", before_the_inferences)
+    window = make_window(qtbot, tmp_path, history_path=tmp_path / "history.sqlite3")
+    view = window.contention_view
+    try:
+        assert not view.reasoning.isEnabled()  # no model yet
+        load(qtbot, window, folder)
+        assert [view.reasoning.itemData(i) for i in range(view.reasoning.count())] == [None, "on", "off"]
+        view.reasoning.choose("off")
+        view.max_tokens.setValue(4)
+        view.corpus.setText(str(make_corpus(tmp_path / "corpus", files=2, words_per_file=10)))
+        rendered.clear()
+        report = run_job(qtbot, window, view).report
+        assert rendered and all(said == {"enable_thinking": False} for said in rendered)
+        assert report.generation["reasoning"] == "off"
+        assert "\nAnswers: greedy, reasoning setting off, at most 4 tokens each.\n" in report.markdown()
+    finally:
+        window.close()
+    again = make_window(qtbot, tmp_path)
+    assert again.contention_view.reasoning.chosen == "off"
+    again.close()

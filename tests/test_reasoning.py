@@ -598,3 +598,55 @@ def test_a_sweeps_reasoning_setting_reaches_every_points_prompts_and_records(cop
                                                                                                variables))
         for r in records)
     assert f"<td>reasoning setting</td><td>{setting or 'the template&#x27;s default'}</td>" in detail_html(records[0])
+
+
+def test_the_contention_command_renders_and_counts_its_answers_with_its_reasoning_setting(copy_fixture, monkeypatch,
+                                                                                         capsys, tmp_path):
+    """contention had no reasoning setting: its inference rendered with the template's default, and the long
+    scenario's own answer length counted the input so, which with Qwen3's thinking off (an empty think block after
+    the input) asked for more than the context leaves. `--reasoning` renders every inference's prompt with it, the
+    length is counted with it, and the report keeps and says it; without it, the template's default, as before."""
+    from types import SimpleNamespace
+
+    import engine.records.scenarios as scenarios
+    from app import cli
+    from engine.genai_config import load_genai_config
+    from engine.records.contention import make_corpus
+    from engine.records.scenarios import scenario_turns
+
+    folder = thinking_switch_folder(copy_fixture)
+    tokenizer = ModelTokenizer(folder)
+    scripted_hello(monkeypatch, tokenizer, load_genai_config(folder))
+    roomy = SimpleNamespace(context_length=1 << 20, search=SimpleNamespace(max_length=1 << 20))
+    off = {"enable_thinking": False}
+    context = _rendered_tokens(tokenizer, scenario_turns("long", tokenizer, roomy, 1, "off")[0], off) + 70
+    configured(folder, context, {"max_length": context})  # the answer's room with thinking off: 70 tokens
+    rendered, render_chat, warm_up_answer = [], ModelTokenizer.render_chat, scenarios.warm_up_answer
+
+    def render(self, messages, add_generation_prompt=True, variables=None):
+        rendered.append(variables)
+        return render_chat(self, messages, add_generation_prompt, variables)
+
+    def before_the_inferences(*args):  # the model's own warm-up after its load, as before a record
+        answered = warm_up_answer(*args)
+        rendered.clear()
+        return answered
+
+    monkeypatch.setattr(ModelTokenizer, "render_chat", render)
+    monkeypatch.setattr(scenarios, "warm_up_answer", before_the_inferences)
+    corpus = str(make_corpus(tmp_path / "corpus", files=2, words_per_file=10))
+    command = ["contention", str(folder), "--corpus", corpus, "--scenario", "long", "--workers", "1"]
+    for asked, setting, variables in (([], None, {}), (["--reasoning", "off"], "off", off)):
+        rendered.clear()
+        status = cli.main([*command, "--json", *asked])
+        out, err = capsys.readouterr()
+        assert status == 0, err
+        generation = json.loads(out)["generation"]
+        assert generation["reasoning"] == setting and rendered and all(said == variables for said in rendered)
+        fed = _rendered_tokens(tokenizer, scenario_turns("long", tokenizer, roomy, 1, setting)[0], variables)
+        assert generation["max_new_tokens"] == context - fed
+    assert cli.main([*command, "--reasoning", "off"]) == 0
+    assert "\nAnswers: greedy, reasoning setting off, at most 70 tokens each.\n" in capsys.readouterr().out
+    status = cli.main([*command, "--reasoning", "high"])
+    assert status == 2 and capsys.readouterr().err == ("moe-workbench: error: --reasoning 'high': this model's chat "
+                                                        "template takes on, off\n")

@@ -11,7 +11,7 @@ from PySide6.QtWidgets import (QComboBox, QFileDialog, QGridLayout, QHBoxLayout,
 
 from app.gui.job_bar import JobBar
 from app.gui.records_jobs import ContentionJob, ContentionResult
-from app.gui.widgets import AnswerLength
+from app.gui.widgets import AnswerLength, ReasoningChoice
 from engine.errors import not_written
 from engine.records.contention import MAX_WORKERS, RATIO_HEADER, STAND_IN, ContentionReport, phase_after, ratio_words
 from engine.records.lengths import SCENARIO_TOKENS
@@ -42,6 +42,7 @@ class ContentionView(QWidget):
                                        "beside the indexing")
         self.max_tokens.setAccessibleName("Answer tokens")
         self.max_tokens.setSuffix(" tokens")
+        self.reasoning = ReasoningChoice()
         self.bar = JobBar("Run the test", "Cancel takes effect between the five phases, the two warm-ups among them "
                           "(an answer stops at its next token)")
         note = QLabel("Cancel takes effect between phases: indexing that has started runs to its end.")
@@ -67,6 +68,7 @@ class ContentionView(QWidget):
         inference = QHBoxLayout()
         inference.addWidget(self.scenario)
         inference.addWidget(self.max_tokens)
+        inference.addWidget(self.reasoning)
         form.addLayout(inference, 1, 3)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
@@ -91,7 +93,7 @@ class ContentionView(QWidget):
 
     def run(self) -> None:
         job = ContentionJob(self.corpus.text().strip() or None, self.workers.value(), self.scenario.currentText(),
-                            self.max_tokens.chosen)
+                            self.max_tokens.chosen, self.reasoning.currentData())
         self.result = None
         self.save_button.setEnabled(False)
         self.table.clearContents()

@@ -242,8 +242,9 @@ class MainWindow(QMainWindow):
         self.answer_choices = {"record": self.scenarios.answers, "sweep": self.sweep.answers}
         for choice in self.answer_choices.values():  # they may sample as the chat's settings say
             choice.chat_options = self.chat.options
-        # their reasoning settings, kept beside them as the chat's options keep its own
-        self.reasoning_choices = {"record": self.scenarios.reasoning, "sweep": self.sweep.reasoning}
+        # their and the contention test's reasoning settings, kept beside them as the chat's options keep its own
+        self.reasoning_choices = {"record": self.scenarios.reasoning, "sweep": self.sweep.reasoning,
+                                  "contention": self.contention_view.reasoning}
         self.job_views = {"recording": self.scenarios, "sweeping": self.sweep, "comparing": self.side_by_side,
                           "contention": self.contention_view}
         # the answer lengths kept in the settings beside the chat's (its options hold its own)
@@ -1060,8 +1061,8 @@ class MainWindow(QMainWindow):
         self.chat.entries.clear()  # a load starts a new conversation
         self.worker.requestNewChat.emit(self.chat.system_prompt.toPlainText())  # (after the load: one refused keeps it)
         self.chat.set_reasoning_choices(info.get("reasoning_choices", []))
-        for view in (self.scenarios, self.sweep):  # their answers take the setting as the chat's do
-            view.reasoning.set_choices(info.get("reasoning_choices", []))
+        for choice in self.reasoning_choices.values():  # their answers take the setting as the chat's do
+            choice.set_choices(info.get("reasoning_choices", []))
         self.chat.set_model_sampling(info.get("sampling"))
         self.chat.max_tokens.set_model(info["reasoning_answer_tokens"])
         self.chat.render()

@@ -525,12 +525,13 @@ class ContentionJob:
     workers: int
     scenario: str = "short"
     max_new_tokens: int | None = None
+    reasoning: str | None = None        # the chat template's reasoning setting (None: the template's default)
 
     def __call__(self, ctx: JobContext) -> ContentionResult:
         model = ctx.loaded()
         if self.workers < 1:
             raise WorkbenchError(f"the indexing needs at least 1 worker process, got {self.workers}")
-        params = scenario_params(model, self.scenario, self.max_new_tokens)
+        params = scenario_params(model, self.scenario, self.max_new_tokens, reasoning=self.reasoning)
         try:  # the long input on a short context, in Record's words, before the corpus is made and indexed (minutes)
             scenario_turns(self.scenario, model.tokenizer, model.config, params.max_new_tokens, params.reasoning)
         except PromptError as exc:

@@ -165,8 +165,10 @@ class ContentionReport:
         for name, alone, together, ratio in self.rows():
             lines.append(f"| {name} | {duration_text(alone)} | {duration_text(together)} | {ratio_words(ratio, 'x')} |")
         if self.generation:
-            lines += ["", f"Answers: {answers_asked(self.generation)}, at most {self.generation['max_new_tokens']} "
-                          "tokens each."]
+            reasoning = self.generation.get("reasoning")  # (None: the template's default)
+            setting = f", reasoning setting {reasoning}" if reasoning else ""
+            lines += ["", f"Answers: {answers_asked(self.generation)}{setting}, at most "
+                          f"{self.generation['max_new_tokens']} tokens each."]
         if self.device_fallback:
             lines += ["", self.device_fallback]
         if self.others_share:
