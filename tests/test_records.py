@@ -1890,3 +1890,26 @@ def test_a_sweep_points_runs_all_follow_the_trials_it_settled_for_and_none_after
     assert middle.settle_steps > 0
     splits = [record.offload["layer_split"] for record in middle.records]
     assert [(split["trials"], split["measuring"]) for split in splits] == [(1, None)] * 3
+
+
+def test_a_sweep_of_more_than_101_points_labels_each_budgets_runs_apart(monkeypatch):
+    """A point's runs were labelled with its budget share to a whole percent: past 101 points several budgets read
+    as one ("sweep budget share 0%" for 0% and 0.5% of 201 points), and history's --label could not tell them
+    apart. The share is given to as many places as tell the sweep's points apart; none up to 101 points, as before."""
+    import engine.records.sweep as sweep
+
+    assert sweep.share_decimals(f for f, _budget in sweep.budget_points(1000, 101)) == 0
+    assert sweep.share_decimals(f for f, _budget in sweep.budget_points(1000, 201)) == 1
+    assert sweep.share_decimals(f for f, _budget in sweep.budget_points(10**6, 3001)) == 2
+    assert sweep.share_decimals([0.25, 0.25]) == 0  # a budget run on both splits: one share
+    every_point = sweep.budget_points
+    # the first 3 of 201 points (0%, 0.5%, 1.0%): the sweep's plan, from the real budgets, runs those alone
+    monkeypatch.setattr(sweep, "budget_points", lambda total, count: every_point(total, count)[:3])
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(device_expert_bytes=200_000),
+                             device=device)
+    points = run_sweep(model, device, 201, ["short"], GenerationParams(max_new_tokens=1), repeats=1)
+    total = all_resident_bytes(model.offload.infos)
+    assert [(p.budget_bytes, p.records[0].label) for p in points] == [
+        (0, "sweep budget share 0.0%"), (round(total / 200), "sweep budget share 0.5%"),
+        (round(total / 100), "sweep budget share 1.0%")]

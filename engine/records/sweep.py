@@ -203,6 +203,17 @@ def budget_points(total_expert_bytes: int, count: int) -> list[tuple[float, int]
     return [(i / (count - 1), round(total_expert_bytes * i / (count - 1))) for i in range(count)]
 
 
+def share_decimals(fractions) -> int:
+    """The fewest decimals of a percent that tell these budget shares apart: none where the points are a percent or
+    more apart (up to 101 points), more for closer ones (201 points: 0.5%, 1.0%), whose runs' history labels would
+    otherwise name several budgets as one."""
+    shares = set(fractions)
+    decimals = 0
+    while len({f"{share:.{decimals}%}" for share in shares}) < len(shares):
+        decimals += 1
+    return decimals
+
+
 def sweep_plan(model: LoadedModel, points: int, splits: tuple[str, ...] | None = None) -> list[tuple]:
     """(fraction, budget, split) of every point: each budget once (split None), or with `splits` once per split
     where the splits differ (a budget that holds some but not all expert layers whole), once (spread) elsewhere.
@@ -337,6 +348,7 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
         scenario_turns(name, model.tokenizer, model.config, params.max_new_tokens, params.reasoning)
     results = []
     plan = sweep_plan(model, points, splits)
+    decimals = share_decimals(fraction for fraction, _budget, _split in plan)  # (for the points' runs' labels)
     ceiling = None  # the budget the device held less than: the points above it are left out
     total_runs = len(plan) * len(scenarios) * repeats
     mode = model.offload.layer_split_mode
@@ -385,7 +397,8 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
                     if left and on_left_out:
                         on_left_out(_left_out_note(model, held, fraction, left), len(left))
                 point = _run_point(model, device, held, fraction if held == budget else None, split, scenarios,
-                                   params, label, cancel, on_text, on_settle, on_run, repeats, length_setting)
+                                   params, label, cancel, on_text, on_settle, on_run, repeats, length_setting,
+                                   decimals)
                 if point is None:
                     raise SweepCancelled("the sweep was cancelled")
                 results.append(point)
@@ -464,10 +477,11 @@ def _left_out_note(model: LoadedModel, held: int, fraction: float, left: list[tu
 
 def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, split: str | None,
                scenarios: list[str], params: GenerationParams, label: str, cancel, on_text, on_settle,
-               on_run, repeats: int, length_setting: str) -> SweepPoint | None:
+               on_run, repeats: int, length_setting: str, decimals: int) -> SweepPoint | None:
     """At the budget just planned (`fraction` None: its share of every expert resident, where it is less than the
     point asked), settle, answer once unrecorded, run the scenarios `repeats` times (`on_run()` after each run); None
-    where cancelled (the point's last answer cut short is not a result).
+    where cancelled (the point's last answer cut short is not a result). The runs' label gives the share to
+    `decimals` places of a percent (share_decimals).
 
     The unrecorded answer puts every point's runs after the same warm state: settle decodes only where the engine has
     trials to run (none with every expert resident), and whatever a plan's first answer costs (its first prefill on
@@ -502,7 +516,7 @@ def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, 
     infos = model.offload.infos
     if 0 < whole_layers_held(infos, budget) < sum(1 for info in infos if info.gpu is not None):
         point.split_run = WHOLE if model.offload.whole_layers else SPREAD
-    tag = f"{label} budget share {fraction:.0%}" + (f" {split}" if split else "")  # (as the table's column says)
+    tag = f"{label} budget share {fraction:.{decimals}%}" + (f" {split}" if split else "")
     for repeat in range(repeats):
         for scenario in scenarios:
             if cancel is not None and cancel.is_set():
