@@ -1089,24 +1089,23 @@ def _cmd_sweep(args) -> int:
         done.append(point)
 
     progress = _ProgressLine("sweep")
+    params = GenerationParams(max_new_tokens=args.max_new_tokens, sampling=sampling, reasoning=args.reasoning)
     try:
-        points = run_sweep(model, device, args.points, scenarios,
-                           GenerationParams(max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                            reasoning=args.reasoning), progress=progress,
+        points = run_sweep(model, device, args.points, scenarios, params, progress=progress,
                            splits=BOTH_SPLITS if args.both_splits else None, on_point=save, repeats=args.repeats,
                            on_left_out=lambda note, _count: progress.say(note), length_setting="--max-new-tokens",
                            on_warm_up=lambda budget, fraction, seconds: warm_up.update(
                                budget_bytes=budget, fraction=fraction, seconds=seconds))
     except KeyboardInterrupt as exc:  # Ctrl-C: the points completed, as a failed point's
         progress.end()
-        _print_sweep(done, None, args, ids_of, warm_up)
+        _print_sweep(done, None, args, ids_of, warm_up, params)
         print(f"{PROG}: the sweep was interrupted {stopped_at(exc)}; {_kept(done, saved_ids, args)}", file=sys.stderr)
         return 130
     except Exception as exc:
         if os.environ.get("MOE_WORKBENCH_DEBUG"):
             raise
         progress.end()
-        _print_sweep(done, None, args, ids_of, warm_up)
+        _print_sweep(done, None, args, ids_of, warm_up, params)
         users = users_error(exc)
         print(f"{PROG}: {'error' if users else 'internal error'}: the sweep failed {stopped_at(exc)}: {one_line(exc)}; "
               f"{_kept(done, saved_ids, args)}", file=sys.stderr)
@@ -1139,7 +1138,7 @@ def _cmd_sweep(args) -> int:
             also = f", which also sets{words}" if words else ""
             print(f"saved as configuration '{args.save_as}' in {saved} (use it with --config {args.save_as}{also})",
                   file=sys.stderr)
-    _print_sweep(points, chosen, args, ids_of, warm_up)
+    _print_sweep(points, chosen, args, ids_of, warm_up, params)
     completed = "the sweep completed: its points and recommendation are printed and its runs saved in the history"
     status = 0
     if save_failure is not None:
@@ -1180,11 +1179,13 @@ def id_ranges(ids: list[int]) -> str:
     return ", ".join(f"{first} to {last}" if last > first else f"{first}" for first, last in runs)
 
 
-def _print_sweep(points: list, chosen, args, ids_of: dict, warm_up: dict) -> None:
+def _print_sweep(points: list, chosen, args, ids_of: dict, warm_up: dict, params) -> None:
     """The sweep's points on standard output, the Recommendation `chosen` marked and its rule under them (None: a sweep
     that stopped early recommends none); `ids_of`: each point's runs' history ids (by id(point)), which its JSON row
     gives; `warm_up`: the unrecorded answer before the first point (budget_bytes, fraction, seconds; empty where it
-    did not finish), which no point's runs time."""
+    did not finish), which no point's runs time; `params`: how every point's answers were asked for, which the JSON
+    gives as each record keeps it."""
+    from engine.records.schema import generation_settings
     from engine.records.sweep import (copy_slots_line, device_parts_line, point_warm_ups_line, uses_projection,
                                       warm_up_line)
 
@@ -1217,7 +1218,7 @@ def _print_sweep(points: list, chosen, args, ids_of: dict, warm_up: dict) -> Non
 
     if args.json:
         rows = [{**row, "record_ids": ids_of[id(point)]} for row, point in zip(rows, points)]
-        print(json.dumps({"warm_up": warm_up or None, "points": rows,
+        print(json.dumps({"generation": generation_settings(params), "warm_up": warm_up or None, "points": rows,
                           "recommended_budget_bytes": best and best.budget_bytes,
                           "recommended_split": best and best.split,
                           "recommended_by": best and ("projected_completion_s" if projected else "completion_s"),

@@ -3030,3 +3030,22 @@ def test_max_new_tokens_help_and_the_readme_say_what_the_option_and_write_model_
             "one protobuf file holds, or a model whose writing takes more memory than is available") in readme
     assert ("A free-text value may start with `-` (`--prompt -hi`, and so `--system`, `--stop`, `--label` and "
             "`history`'s `--model`); one that is an option's name is given with `=` (`--prompt=--json`).") in readme
+
+
+def test_a_sweeps_json_says_how_its_answers_were_asked_for_as_its_records_keep_it(tmp_path, capsys):
+    """sweep --json gave no sampling or reasoning setting: only each point's records in the history kept them. Its
+    object's `generation` says them, as every record of the sweep keeps them."""
+    from engine.records.history import History
+
+    history = str(tmp_path / "h.sqlite")
+    status, out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--history",
+                             history, "--points", "2", "--max-new-tokens", "2", "--scenario", "short", "--repeats",
+                             "1", "--temperature", "0.7", "--top-k", "5", "--top-p", "0.9", "--seed", "11", "--json")
+    assert status == 0, err
+    printed = json.loads(out)
+    assert printed["generation"] == {"max_new_tokens": 2, "do_sample": True, "temperature": 0.7, "top_k": 5,
+                                     "top_p": 0.9, "repetition_penalty": 1.0, "seed": 11,
+                                     "stop_strings": [], "reasoning": None}
+    saved = History(history)
+    ids = [run_id for point in printed["points"] for run_id in point["record_ids"]]
+    assert len(ids) == 2 and all(saved.get(run_id).generation == printed["generation"] for run_id in ids)
