@@ -2329,7 +2329,8 @@ def test_a_pinned_ring_beyond_the_memory_available_is_refused(model_folder, monk
     from app.gui.estimate import staged_nodes, staging_for
     from engine.model_folder import ModelFolder
 
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 10**9}))
+    # (total: the sliding window's check at open reads it)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 10**9, "total": 16 * 10**9}))
     config = OffloadConfig(pinned_bytes=2 * 10**9)
     said = ("session.moe.offload.pinned_bytes=2000000000 page-locks more than the 1000000000 bytes of host memory "
             "available")
@@ -2352,7 +2353,8 @@ def test_without_file_backing_experts_beyond_the_memory_available_are_refused(mo
     import psutil
 
     total = expert_bytes(model_folder)
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": total - 1}))
+    monkeypatch.setattr(psutil, "virtual_memory",  # (total: the sliding window's check at open reads it)
+                        lambda: type("Memory", (), {"available": total - 1, "total": 16 * 10**9}))
     with pytest.raises(OffloadPlanError) as refused:
         LoadedModel.open(model_folder, offload=OffloadConfig(allow_file_backing=False), device=None)
     assert str(refused.value) == (f"allow_file_backing=0 keeps all {total} bytes of experts in host memory, more than "
