@@ -112,6 +112,27 @@ def scenario_answers(monkeypatch, module) -> list[tuple[str, int]]:
     return answered
 
 
+def renders_after_the_warm_up(monkeypatch, module) -> list[dict | None]:
+    """The template variables of every chat render from now on, those of the model's own warm-up answer that `module`
+    (which imported warm_up_answer) makes before its runs left out: the list is emptied as that answer ends."""
+    from engine.tokenizer import ModelTokenizer
+
+    rendered, render_chat, warm_up_answer = [], ModelTokenizer.render_chat, module.warm_up_answer
+
+    def render(self, messages, add_generation_prompt=True, variables=None):
+        rendered.append(variables)
+        return render_chat(self, messages, add_generation_prompt, variables)
+
+    def before_the_runs(*args):
+        answered = warm_up_answer(*args)
+        rendered.clear()
+        return answered
+
+    monkeypatch.setattr(ModelTokenizer, "render_chat", render)
+    monkeypatch.setattr(module, "warm_up_answer", before_the_runs)
+    return rendered
+
+
 def awkward_tokens(tokenizer, text: str, every: int = 2) -> list[int]:
     """`text`'s tokens cut at awkward places, as a model may write them: each special token (`<|…|>`) one token, the
     text between encoded `every` characters at a time (so that words, a header's `to=functions.f`, a stop string

@@ -19,8 +19,8 @@ from PySide6.QtGui import QGuiApplication  # noqa: E402
 from engine.decoder import PartitionedDecoder  # noqa: E402
 from engine.tokenizer import ModelTokenizer  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
-from tests.reasoning_models import (ScriptedForward, ScriptedStates, harmony_folder, scenario_answers,  # noqa: E402
-                                    thinking_switch_folder)
+from tests.reasoning_models import (ScriptedForward, ScriptedStates, harmony_folder,  # noqa: E402
+                                    renders_after_the_warm_up, scenario_answers, thinking_switch_folder)
 from tests.test_gui import WAIT, load, make_window  # noqa: E402
 
 REASONING = "The user greets us. A short and friendly answer will do."
@@ -572,19 +572,7 @@ def test_the_contention_tests_reasoning_offers_the_models_values_reaches_its_ans
     tokenizer = ModelTokenizer(folder)
     answer = tokenizer.encode("Hello there!") + [load_genai_config(folder).eos_token_ids[0]]
     monkeypatch.setattr(PartitionedDecoder, "forward", ScriptedStates(tokenizer.vocab_size, answer))
-    rendered, render_chat, warm_up_answer = [], ModelTokenizer.render_chat, scenarios.warm_up_answer
-
-    def render(self, messages, add_generation_prompt=True, variables=None):
-        rendered.append(variables)
-        return render_chat(self, messages, add_generation_prompt, variables)
-
-    def before_the_inferences(*args):  # the model's own warm-up after its load, as before a record
-        answered = warm_up_answer(*args)
-        rendered.clear()
-        return answered
-
-    monkeypatch.setattr(ModelTokenizer, "render_chat", render)
-    monkeypatch.setattr(scenarios, "warm_up_answer", before_the_inferences)
+    rendered = renders_after_the_warm_up(monkeypatch, scenarios)  # (its warm-up after the load, as before a record)
     window = make_window(qtbot, tmp_path, history_path=tmp_path / "history.sqlite3")
     view = window.contention_view
     try:

@@ -13,8 +13,8 @@ from engine.generation import Conversation, GenerationParams, LoadedModel, gener
 from engine.reasoning import REASONING_ANSWER_TOKENS, answer_format
 from engine.tokenizer import ModelTokenizer
 from tests.conftest import fixture_folder
-from tests.reasoning_models import (ScriptedForward, ScriptedStates, awkward_tokens, harmony_folder, scenario_answers,
-                                    think_folder, thinking_switch_folder)
+from tests.reasoning_models import (ScriptedForward, ScriptedStates, awkward_tokens, harmony_folder,
+                                    renders_after_the_warm_up, scenario_answers, think_folder, thinking_switch_folder)
 
 ANALYSIS_THEN_FINAL = ("<|channel|>analysis<|message|>The user greets; answer briefly.<|end|>"
                        "<|start|>assistant<|channel|>final<|message|>Hello there!")
@@ -518,15 +518,12 @@ def scripted_hello(monkeypatch, tokenizer, config) -> None:
     monkeypatch.setattr(PartitionedDecoder, "forward", ScriptedStates(tokenizer.vocab_size, answer))
 
 
-def test_the_record_command_counts_the_long_inputs_room_with_its_reasoning_setting(copy_fixture, monkeypatch, capsys,
-                                                                                  tmp_path):
-    """record had no reasoning setting, and its long scenario's own answer length (scenario_answer_tokens) counted the
-    input as the template's default renders it: with thinking off, Qwen3's template writes an empty think block after
-    it, so the length asked for more than the context leaves and the run was refused. `--reasoning` reaches the
-    template, the length is counted with it, and the record keeps it; without it, the template's default, as before."""
+def seventy_tokens_of_room_with_thinking_off(copy_fixture, monkeypatch):
+    """A model whose template switches thinking, answering "Hello there!", with a context that leaves the long
+    scenario's input, rendered with thinking off, 70 tokens of answer: its folder, tokenizer, a config whose context
+    does not bound the long input (for scenario_turns), and that context."""
     from types import SimpleNamespace
 
-    from app import cli
     from engine.genai_config import load_genai_config
     from engine.records.scenarios import scenario_turns
 
@@ -536,7 +533,20 @@ def test_the_record_command_counts_the_long_inputs_room_with_its_reasoning_setti
     roomy = SimpleNamespace(context_length=1 << 20, search=SimpleNamespace(max_length=1 << 20))
     off = {"enable_thinking": False}
     context = _rendered_tokens(tokenizer, scenario_turns("long", tokenizer, roomy, 1, "off")[0], off) + 70
-    configured(folder, context, {"max_length": context})  # the answer's room with thinking off: 70 tokens
+    configured(folder, context, {"max_length": context})
+    return folder, tokenizer, roomy, context
+
+
+def test_the_record_command_counts_the_long_inputs_room_with_its_reasoning_setting(copy_fixture, monkeypatch, capsys,
+                                                                                  tmp_path):
+    """record had no reasoning setting, and its long scenario's own answer length (scenario_answer_tokens) counted the
+    input as the template's default renders it: with thinking off, Qwen3's template writes an empty think block after
+    it, so the length asked for more than the context leaves and the run was refused. `--reasoning` reaches the
+    template, the length is counted with it, and the record keeps it; without it, the template's default, as before."""
+    from app import cli
+
+    folder, tokenizer, _roomy, context = seventy_tokens_of_room_with_thinking_off(copy_fixture, monkeypatch)
+    off = {"enable_thinking": False}
     history = str(tmp_path / "history.sqlite3")
     for asked, setting, variables in (([], None, {}), (["--reasoning", "off"], "off", off)):
         status = cli.main(["record", str(folder), "--scenario", "long", "--json", "--history", history, *asked])
@@ -567,19 +577,7 @@ def test_a_sweeps_reasoning_setting_reaches_every_points_prompts_and_records(cop
     from engine.records.scenarios import scenario_turns
 
     folder = thinking_switch_folder(copy_fixture)
-    rendered, render_chat, warm_up_answer = [], ModelTokenizer.render_chat, sweep.warm_up_answer
-
-    def render(self, messages, add_generation_prompt=True, variables=None):
-        rendered.append(variables)
-        return render_chat(self, messages, add_generation_prompt, variables)
-
-    def before_the_points(*args):  # the model's own warm-up at its loaded budget, as before a record
-        answered = warm_up_answer(*args)
-        rendered.clear()
-        return answered
-
-    monkeypatch.setattr(ModelTokenizer, "render_chat", render)
-    monkeypatch.setattr(sweep, "warm_up_answer", before_the_points)
+    rendered = renders_after_the_warm_up(monkeypatch, sweep)  # (its warm-up at the loaded budget, as before a record)
     history = str(tmp_path / "history.sqlite3")
     status = cli.main(["sweep", str(folder), "--device", "simulated", "--points", "2", "--repeats", "1",
                        "--max-new-tokens", "2", "--history", history, *(["--reasoning", setting] if setting else [])])
@@ -606,34 +604,14 @@ def test_the_contention_command_renders_and_counts_its_answers_with_its_reasonin
     scenario's own answer length counted the input so, which with Qwen3's thinking off (an empty think block after
     the input) asked for more than the context leaves. `--reasoning` renders every inference's prompt with it, the
     length is counted with it, and the report keeps and says it; without it, the template's default, as before."""
-    from types import SimpleNamespace
-
     import engine.records.scenarios as scenarios
     from app import cli
-    from engine.genai_config import load_genai_config
     from engine.records.contention import make_corpus
     from engine.records.scenarios import scenario_turns
 
-    folder = thinking_switch_folder(copy_fixture)
-    tokenizer = ModelTokenizer(folder)
-    scripted_hello(monkeypatch, tokenizer, load_genai_config(folder))
-    roomy = SimpleNamespace(context_length=1 << 20, search=SimpleNamespace(max_length=1 << 20))
+    folder, tokenizer, roomy, context = seventy_tokens_of_room_with_thinking_off(copy_fixture, monkeypatch)
     off = {"enable_thinking": False}
-    context = _rendered_tokens(tokenizer, scenario_turns("long", tokenizer, roomy, 1, "off")[0], off) + 70
-    configured(folder, context, {"max_length": context})  # the answer's room with thinking off: 70 tokens
-    rendered, render_chat, warm_up_answer = [], ModelTokenizer.render_chat, scenarios.warm_up_answer
-
-    def render(self, messages, add_generation_prompt=True, variables=None):
-        rendered.append(variables)
-        return render_chat(self, messages, add_generation_prompt, variables)
-
-    def before_the_inferences(*args):  # the model's own warm-up after its load, as before a record
-        answered = warm_up_answer(*args)
-        rendered.clear()
-        return answered
-
-    monkeypatch.setattr(ModelTokenizer, "render_chat", render)
-    monkeypatch.setattr(scenarios, "warm_up_answer", before_the_inferences)
+    rendered = renders_after_the_warm_up(monkeypatch, scenarios)  # (its warm-up after the load, as before a record)
     corpus = str(make_corpus(tmp_path / "corpus", files=2, words_per_file=10))
     command = ["contention", str(folder), "--corpus", corpus, "--scenario", "long", "--workers", "1"]
     for asked, setting, variables in (([], None, {}), (["--reasoning", "off"], "off", off)):
